@@ -1,0 +1,29 @@
+# deepspeed-acco developer entry points. A newcomer needs two: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU torch by default; CUDA users override, e.g. TORCH_SPEC='torch==2.13.0' TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PIP = $(VENV)/bin/pip
+PY = $(VENV)/bin/python
+STAMP = $(VENV)/.installed
+
+.PHONY: venv demo test test-fast bench kernels-bench nvcc-check clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: venv
+	$(PY) -m deepspeed_acco.bench
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,93 @@
+"""Fused flat-shard update rules (DESIGN section 4): AdamW step, AdamW peek, CO2 outer step.
+
+Each public function validates its arguments and dispatches to one backend with the same
+signature: the pure-torch reference (:mod:`.reference`, which defines the semantics) or a fused
+kernel. ``backend()`` names the backend in use.
+"""
+from typing import Optional
+
+import torch
+
+from . import reference
+
+_STATE_DTYPE = torch.float32
+_OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def backend() -> str:
+    """Name of the backend the update functions dispatch to: ``"cpu"``, ``"cuda"`` or ``"torch"``."""
+    return "torch"
+
+
+def _check_flat(name: str, tensor: torch.Tensor, numel: int, device: torch.device, dtypes=(_STATE_DTYPE, )) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(f"{name} must be a 1-D contiguous tensor, got shape {tuple(tensor.shape)}")
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements, expected {numel} (same as param)")
+    if tensor.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {tensor.dtype}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, expected {device} (same as param)")
+
+
+def _check_adamw_args(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps) -> None:
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
+    _check_flat("param", param, param.numel(), param.device)
+    for name, tensor in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check_flat(name, tensor, param.numel(), param.device)
+    if out is not None:
+        _check_flat("out", out, param.numel(), param.device, _OUT_DTYPES)
+    if int(step) != step or step < 1:
+        raise ValueError(f"step is the 1-based AdamW step count, got {step}")
+    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"betas must lie in [0, 1), got ({beta1}, {beta2})")
+    if lr < 0.0 or eps <= 0.0:
+        raise ValueError(f"need lr >= 0 and eps > 0, got lr={lr}, eps={eps}")
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               out: Optional[torch.Tensor] = None) -> None:
+    """In-place AdamW step (``torch.optim.AdamW`` semantics) on flat fp32 tensors.
+
+    ``step`` is the 1-based step count used for bias correction. If ``out`` (fp32 or bf16, same
+    length) is given, the new parameters are also written there in its dtype.
+    """
+    _check_adamw_args(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps)
+    reference.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, out=out)
+
+
+def adamw_peek(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               out: torch.Tensor) -> None:
+    """Write to ``out`` the parameters :func:`adamw_step` would produce, leaving all state unchanged."""
+    if out is None:
+        raise ValueError("adamw_peek needs an out tensor to write the estimated parameters to")
+    _check_adamw_args(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps)
+    reference.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, out=out)
+
+
+def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: torch.Tensor,
+                   mean_params: torch.Tensor, *, outer_lr: float, outer_momentum: float, penalty: float,
+                   clip_threshold: Optional[float] = None, out: Optional[torch.Tensor] = None) -> None:
+    """CO2 outer update on a shard (DESIGN 3.5); see :func:`.reference.co2_outer_step`."""
+    if not isinstance(anchor, torch.Tensor):
+        raise TypeError(f"anchor must be a torch.Tensor, got {type(anchor).__name__}")
+    for name, tensor in (("prev_anchor", prev_anchor), ("anchor", anchor), ("momentum", momentum), ("mean_params", mean_params)):
+        _check_flat(name, tensor, anchor.numel(), anchor.device)
+    if out is not None:
+        _check_flat("out", out, anchor.numel(), anchor.device, _OUT_DTYPES)
+    if penalty <= 0.0:
+        raise ValueError(f"penalty must be > 0, got {penalty}")
+    if clip_threshold is not None and clip_threshold <= 0.0:
+        raise ValueError(f"clip_threshold must be > 0 or None, got {clip_threshold}")
+    reference.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=outer_lr,
+                             outer_momentum=outer_momentum, penalty=penalty, clip_threshold=clip_threshold, out=out)
+
+
+__all__ = ["adamw_step", "adamw_peek", "co2_outer_step", "backend", "reference"]
