@@ -236,6 +236,15 @@ def resolve_batch_sizes(config: Dict[str, Any], data_parallel_size: int) -> Batc
     return BatchConfig(train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=accumulation)
 
 
+def _deepspeed_default_gradient_clipping() -> float:
+    """DeepSpeed's own default, so an unchanged config clips exactly as DeepSpeed does (1.0 in 0.19)."""
+    try:
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    except ImportError:
+        return 0.0
+    return float(GRADIENT_CLIPPING_DEFAULT)
+
+
 _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
                 "float16": "fp16"}
 
@@ -333,7 +342,7 @@ def parse_config(config: Dict[str, Any], world_size: int) -> AccoConfig:
             _fail("communication_data_type", f"{communication!r} is not supported by our optimizers",
                   "use \"fp32\" or \"bf16\"")
 
-    clipping = _number("gradient_clipping", config.get("gradient_clipping", 0.0))
+    clipping = _number("gradient_clipping", config.get("gradient_clipping", _deepspeed_default_gradient_clipping()))
     if clipping < 0:
         _fail("gradient_clipping", f"must be >= 0, got {clipping}", "use 0 to disable clipping")
     steps_per_print = config.get("steps_per_print", 10)

@@ -32,20 +32,25 @@ def _world_size_before_init() -> int:
         raise ValueError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
 
 
+def _single_process_defaults() -> None:
+    """Without launcher variables this is a single process: give it a private local rendezvous."""
+    if dist.is_initialized() or "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ["RANK"] = "0"
+    os.environ["WORLD_SIZE"] = "1"
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
 def init_distributed(timeout_s: float) -> None:
     """Initialise torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT if not done yet.
 
-    gloo on CPU, nccl on CUDA, like DeepSpeed. Without launcher variables this is a single
-    process, which gets a private rendezvous on a free local port.
+    gloo on CPU, nccl on CUDA, like DeepSpeed.
     """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ["RANK"] = "0"
-        os.environ["WORLD_SIZE"] = "1"
-        os.environ.setdefault("LOCAL_RANK", "0")
+    _single_process_defaults()
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise ValueError(f"cannot initialise torch.distributed: environment variables {missing} are not set; "
@@ -98,6 +103,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     if optimizer_type(config_dict) is None:
         import deepspeed
+        if dist_init_required is not False:
+            _single_process_defaults()
         forwarded = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config_dict, **kwargs)
