@@ -42,10 +42,14 @@ def param_groups(model, two_groups=True, weight_decay=0.1):
             {"params": [p for n, p in trainable if n.endswith("bias")], "weight_decay": 0.0}]
 
 
+_TEACHER = torch.randn(IN_FEATURES, OUT_FEATURES, generator=torch.Generator().manual_seed(99))
+
+
 def batch(rank, index, micro_batch_size=4, seed=1234):
+    """Micro-batch ``index`` of worker ``rank``: a learnable target (a fixed teacher) plus noise."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + index)
     x = torch.randn(micro_batch_size, IN_FEATURES, generator=generator)
-    y = torch.randn(micro_batch_size, OUT_FEATURES, generator=generator)
+    y = torch.tanh(x @ _TEACHER) + 0.1 * torch.randn(micro_batch_size, OUT_FEATURES, generator=generator)
     return x, y
 
 
@@ -58,20 +62,31 @@ def flat_trainable(model):
 
 
 class Simulator:
-    """Holds the simulated model, its AdamW optimizer and each worker's micro-batch cursor."""
+    """Holds the simulated model, its AdamW optimizer and each worker's micro-batch cursor.
+
+    With ``model_dtype=torch.bfloat16`` the model computes in bf16 while AdamW runs on fp32 master
+    copies (``self.trainable``), the mixed-precision recipe of DeepSpeed's bf16 mode.
+    """
 
     def __init__(self, world_size, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, clipping=0.0,
-                 seed=0, two_groups=True):
+                 seed=0, two_groups=True, model_dtype=torch.float32):
         self.world_size = world_size
-        self.model = TinyNet(seed)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, two_groups, weight_decay), lr=lr, betas=betas,
+        self.model = TinyNet(seed).to(model_dtype)
+        self.model_params = [p for p in self.model.parameters() if p.requires_grad]
+        master = TinyNet(seed).to(model_dtype).float()  # the engine's masters start from the cast model
+        self.optimizer = torch.optim.AdamW(param_groups(master, two_groups, weight_decay), lr=lr, betas=betas,
                                            eps=eps, weight_decay=weight_decay, foreach=False)
         self.clipping = clipping
         self.cursor = [0] * world_size
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable = [p for p in master.parameters() if p.requires_grad]
+        self.model_dtype = model_dtype
 
     def get(self):
         return [p.detach().clone() for p in self.trainable]
+
+    def flat(self):
+        """The committed (master) parameters as one flat fp32 vector."""
+        return torch.cat([p.detach().reshape(-1) for p in self.trainable])
 
     def set(self, values):
         with torch.no_grad():
@@ -80,8 +95,9 @@ class Simulator:
 
     def gradient_sum(self, at, micro_batches_per_worker):
         """Sum over workers of their next micro-batches' gradients at parameters ``at``; and the count."""
-        saved = self.get()
-        self.set(at)
+        with torch.no_grad():
+            for p, v in zip(self.model_params, at):
+                p.copy_(v)
         total = [torch.zeros_like(p) for p in self.trainable]
         count = 0
         for rank in range(self.world_size):
@@ -89,11 +105,10 @@ class Simulator:
                 x, y = batch(rank, self.cursor[rank])
                 self.cursor[rank] += 1
                 self.model.zero_grad()
-                loss_fn(self.model(x), y).backward()
-                for t, p in zip(total, self.trainable):
+                loss_fn(self.model(x.to(self.model_dtype)).float(), y).backward()
+                for t, p in zip(total, self.model_params):
                     t.add_(p.grad)
                 count += 1
-        self.set(saved)
         return total, count
 
     def _apply(self, mean_grad):

@@ -6,6 +6,7 @@ type's :class:`~deepspeed_acco.runtime.schedule.Schedule` run the round boundari
 DeepSpeed's counters, LR scheduler stepping, logging, monitors and checkpoints.
 """
 import atexit
+import collections
 import contextlib
 import logging
 import os
@@ -25,6 +26,7 @@ from .schedule import ACCOSchedule, DPUSchedule, Schedule, ScheduleSettings, Sha
 logger = logging.getLogger("deepspeed_acco")
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_RECENT_COMMITS = 1024
 _SCHEDULES = {ShardedAdamW: ShardedAdamWSchedule, DPU: DPUSchedule, ACCO: ACCOSchedule}
 
 
@@ -53,6 +55,8 @@ class AccoEngine(torch.nn.Module):
         """Samples consumed (with dynamic accumulation: samples in committed updates, counted globally)."""
         self.skipped_steps = 0
         self.micro_steps = 0
+        self.recent_commits = collections.deque(maxlen=_RECENT_COMMITS)
+        """Results of the latest commit jobs (micro-batch counts, norms, skips, phase timings)."""
         self._failure: Optional[BaseException] = None
         self._losses: List[torch.Tensor] = []
         self._last_grad_norm: Optional[float] = None
@@ -289,6 +293,7 @@ class AccoEngine(torch.nn.Module):
     def _account_commit(self, result: JobResult) -> None:
         """Book-keeping for a commit whose result was just installed (before the next launch)."""
         self.global_steps += 1
+        self.recent_commits.append(result)
         self._last_grad_norm = result.grad_norm
         if self.schedule.settings.dynamic_accumulation:
             self.global_samples += result.global_micro_batches * self.config.batch.micro_batch_size

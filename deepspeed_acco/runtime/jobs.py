@@ -58,8 +58,10 @@ class JobResult:
     kind: JobKind
     skipped: bool
     """True when a gradient was non-finite: nothing changed, the gather holds the master weights."""
+    local_micro_batches: int
+    """Micro-batches this rank contributed in the round the job reduced."""
     global_micro_batches: int
-    """Micro-batches, over all ranks, whose gradients this update averaged."""
+    """Micro-batches, over all ranks, whose gradients this update averaged (ACCO commit: both halves)."""
     grad_norm: float
     """Global L2 norm of the averaged gradient before clipping (nan/inf when skipped)."""
     timings_s: Dict[str, float] = field(default_factory=dict)
@@ -139,8 +141,8 @@ class AdamWJob:
             target = flat.gather_target()
             self.communicator.all_gather(target, flat.shard_of(target))
         timings["all_gather"] = time.perf_counter() - start
-        return JobResult(kind=self.kind, skipped=skipped, global_micro_batches=micro_batches, grad_norm=grad_norm,
-                         timings_s=timings)
+        return JobResult(kind=self.kind, skipped=skipped, local_micro_batches=self.local_micro_batches,
+                         global_micro_batches=micro_batches, grad_norm=grad_norm, timings_s=timings)
 
 
 def hyperparameters_of(param_group: Dict) -> Dict[str, float]:
