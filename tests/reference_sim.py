@@ -6,6 +6,7 @@ correct way (deep-copy model and optimizer, step, read, discard), so the simulat
 code with the engine's fused path.
 """
 import copy
+import math
 
 import torch
 
@@ -69,15 +70,17 @@ class Simulator:
     """
 
     def __init__(self, world_size, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, clipping=0.0,
-                 seed=0, two_groups=True, model_dtype=torch.float32):
+                 seed=0, two_groups=True, model_dtype=torch.float32, ranks=None):
         self.world_size = world_size
+        self.ranks = list(range(world_size)) if ranks is None else list(ranks)
+        """The workers whose micro-batches this model's gradients average (CO2: one group)."""
         self.model = TinyNet(seed).to(model_dtype)
         self.model_params = [p for p in self.model.parameters() if p.requires_grad]
         master = TinyNet(seed).to(model_dtype).float()  # the engine's masters start from the cast model
         self.optimizer = torch.optim.AdamW(param_groups(master, two_groups, weight_decay), lr=lr, betas=betas,
                                            eps=eps, weight_decay=weight_decay, foreach=False)
         self.clipping = clipping
-        self.cursor = [0] * world_size
+        self.cursor = {rank: 0 for rank in self.ranks}
         self.trainable = [p for p in master.parameters() if p.requires_grad]
         self.model_dtype = model_dtype
 
@@ -100,7 +103,7 @@ class Simulator:
                 p.copy_(v)
         total = [torch.zeros_like(p) for p in self.trainable]
         count = 0
-        for rank in range(self.world_size):
+        for rank in self.ranks:
             for _ in range(micro_batches_per_worker):
                 x, y = batch(rank, self.cursor[rank])
                 self.cursor[rank] += 1
@@ -169,3 +172,38 @@ def simulate_acco(world_size, accumulation, num_updates, **options):
         estimate = sim.peek([s / first_count for s in first_sum])  # theta~_{t+1}
         sim.adamw([(a + b) / (first_count + second_count) for a, b in zip(first_sum, second_sum)])
     return estimate, sim.get(), sim
+
+
+def _norm(tensors):
+    return math.sqrt(sum(float(t.pow(2).sum()) for t in tensors))
+
+
+def simulate_co2(world_size, accumulation, num_rounds, *, local_steps, outer_lr, outer_momentum, gap_penalty,
+                 clip_threshold=None, group_size=1, **options):
+    """DESIGN 3.5 with one replica (model + AdamW) per group. Returns (x_R, x_{R+1}, replicas):
+    the anchor the replicas were reset to at the last boundary, and the one its job computes."""
+    replicas = [Simulator(world_size, ranks=range(first, first + group_size), **options)
+                for first in range(0, world_size, group_size)]
+    anchors = {0: replicas[0].get(), 1: replicas[0].get()}
+    momentum = [torch.zeros_like(t) for t in anchors[0]]
+    for k in range(num_rounds):
+        for _ in range(local_steps):
+            for replica in replicas:
+                total, count = replica.gradient_sum(replica.get(), accumulation)
+                replica.adamw([t / count for t in total])
+        ys = [replica.get() for replica in replicas]
+        ybar = [sum(parts) / len(ys) for parts in zip(*ys)]
+        x_k, x_next = anchors[k], anchors[k + 1]
+        if gap_penalty == "adaptive":
+            largest = max(float(_norm([a - b for a, b in zip(y, x_k)])) for y in ys)
+            penalty = 1.0 + float(_norm([a - b for a, b in zip(x_next, x_k)])) / (largest + 1e-12)
+        else:
+            penalty = gap_penalty
+        for m, anchor, mean in zip(momentum, x_k, ybar):
+            m.mul_(outer_momentum).add_((anchor - mean) / penalty)
+            if clip_threshold is not None:
+                m.clamp_(-clip_threshold, clip_threshold)
+        anchors[k + 2] = [anchor - outer_lr * m for anchor, m in zip(x_next, momentum)]
+        for replica in replicas:
+            replica.set(x_next)  # inner AdamW moments are kept
+    return anchors[num_rounds], anchors[num_rounds + 1], replicas

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..config import ACCO, DPU, AccoConfig, ShardedAdamW
-from .comm import CommunicationError, Pipeline, new_communicator
+from ..config import ACCO, CO2, DPU, AccoConfig, ShardedAdamW
+from .co2 import CO2Schedule
+from .comm import CommunicationError, Communicator, Pipeline, new_communicator
 from .jobs import JobResult
 from .optimizer import ShardedOptimizer
 from .schedule import ACCOSchedule, DPUSchedule, Schedule, ScheduleSettings, ShardedAdamWSchedule
@@ -69,12 +70,7 @@ class AccoEngine(torch.nn.Module):
         self.loss_scaler = self._make_loss_scaler()
         options = config.optimizer
         communication_dtype = _TORCH_DTYPES[config.communication_dtype]
-        synchronous = config.optimizer_type == ShardedAdamW
         defaults = dict(lr=options.lr, betas=tuple(options.betas), eps=options.eps, weight_decay=options.weight_decay)
-        self.optimizer = ShardedOptimizer(param_groups, defaults, world_size=self.world_size, rank=self.global_rank,
-                                          communication_dtype=communication_dtype, synchronous=synchronous)
-        self.basic_optimizer = self.optimizer
-
         # A dedicated process group for the worker, so the training loop's own collectives never
         # interleave with the jobs' (DESIGN 6).
         self.communicator = new_communicator(list(range(self.world_size)), options.communication_timeout_s,
@@ -87,10 +83,27 @@ class AccoEngine(torch.nn.Module):
         settings = ScheduleSettings(overlap=options.overlap, gradient_clipping=config.gradient_clipping,
                                     nominal_round_micro_batches=nominal,
                                     dynamic_accumulation=getattr(options, "dynamic_accumulation", False))
-        self.schedule: Schedule = _SCHEDULES[config.optimizer_type](
-            self.optimizer.flats, self.optimizer.shards, self.communicator, self.pipeline, settings,
-            applied_steps=lambda: self.optimizer.applied_steps, on_commit=self._account_commit,
-            loss_scale=lambda: float(self.loss_scaler.cur_scale))
+        callbacks = dict(applied_steps=lambda: self.optimizer.applied_steps, on_commit=self._account_commit,
+                         loss_scale=lambda: float(self.loss_scaler.cur_scale))
+        if config.optimizer_type == CO2:
+            group_size = options.group_size
+            inner = self._group_communicator(group_size, options.communication_timeout_s)
+            self.optimizer = ShardedOptimizer(param_groups, defaults, world_size=group_size,
+                                              rank=self.global_rank % group_size,
+                                              communication_dtype=communication_dtype, synchronous=True,
+                                              padding_world_size=self.world_size)
+            self.schedule: Schedule = CO2Schedule(
+                self.optimizer.flats, self.optimizer.shards, inner, self.pipeline, settings,
+                outer_communicator=self.communicator, local_steps=options.local_steps, outer_lr=options.outer_lr,
+                outer_momentum=options.outer_momentum, gap_penalty=options.gap_penalty,
+                clip_threshold=options.clip_threshold, communication_dtype=communication_dtype, **callbacks)
+        else:
+            self.optimizer = ShardedOptimizer(param_groups, defaults, world_size=self.world_size, rank=self.global_rank,
+                                              communication_dtype=communication_dtype,
+                                              synchronous=config.optimizer_type == ShardedAdamW)
+            self.schedule = _SCHEDULES[config.optimizer_type](self.optimizer.flats, self.optimizer.shards,
+                                                              self.communicator, self.pipeline, settings, **callbacks)
+        self.basic_optimizer = self.optimizer
 
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
         self._scheduler_steps = 0
@@ -116,6 +129,18 @@ class AccoEngine(torch.nn.Module):
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(tensor.data, src=0)
+
+    def _group_communicator(self, group_size: int, timeout_s: float) -> Communicator:
+        """CO2's intra-group communicator (ranks g*j .. g*j+g-1); every rank creates every group, in order."""
+        if group_size == 1:
+            return Communicator(group=None, rank=0, world_size=1, name="co2-local")
+        mine = None
+        for first in range(0, self.world_size, group_size):
+            ranks = list(range(first, first + group_size))
+            communicator = new_communicator(ranks, timeout_s, name=f"co2-group-{first // group_size}")
+            if self.global_rank in ranks:
+                mine = communicator
+        return mine
 
     def _make_loss_scaler(self):
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler

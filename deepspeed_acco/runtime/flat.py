@@ -9,7 +9,7 @@ single copy. Gradients are accumulated in fp32 into ``grad_accum`` after every b
 the model dtype, and handed to a communication job at the round boundary.
 """
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -34,14 +34,18 @@ class FlatParamGroup:
     """
 
     def __init__(self, params: List[torch.nn.Parameter], param_group: Dict, world_size: int, rank: int,
-                 communication_dtype: torch.dtype, synchronous: bool):
+                 communication_dtype: torch.dtype, synchronous: bool, padding_world_size: Optional[int] = None):
+        """``world_size``/``rank`` give the shard geometry; the padding follows ``padding_world_size``
+        (default: the same) so that CO2 can shard one vector both inside a group and across all ranks."""
         assert params, "a flat group needs at least one trainable parameter"
+        padding_world_size = padding_world_size or world_size
+        assert padding_world_size % world_size == 0, "the padding must suit the shard geometry"
         self.params = params
         self.param_group = param_group  # the optimizer's dict: schedulers change its "lr"
         self.world_size = world_size
         self.rank = rank
         self.numel = sum(p.numel() for p in params)
-        self.padded_numel = padded_numel(self.numel, world_size)
+        self.padded_numel = padded_numel(self.numel, padding_world_size)
         self.shard_numel = self.padded_numel // world_size
         self.shard_offset = rank * self.shard_numel
         self.offsets = []

@@ -4,7 +4,7 @@ It is a ``torch.optim.Optimizer`` so that DeepSpeed's and torch's LR schedulers 
 ``param_groups[i]["lr"]``; the update itself is run by the engine's communication jobs, so
 ``step()`` is not for users (DeepSpeed's ZeRO optimizers are used the same way).
 """
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -16,7 +16,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Param groups and, per group with trainable parameters, its flat buffers and shard state."""
 
     def __init__(self, param_groups: List[Dict], defaults: Dict, *, world_size: int, rank: int,
-                 communication_dtype: torch.dtype, synchronous: bool):
+                 communication_dtype: torch.dtype, synchronous: bool, padding_world_size: Optional[int] = None):
         super().__init__(param_groups, defaults)
         self.flats: List[FlatParamGroup] = []
         self.group_indices: List[int] = []
@@ -24,7 +24,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             trainable = [p for p in group["params"] if p.requires_grad]
             if trainable:
-                self.flats.append(FlatParamGroup(trainable, group, world_size, rank, communication_dtype, synchronous))
+                self.flats.append(FlatParamGroup(trainable, group, world_size, rank, communication_dtype, synchronous,
+                                                 padding_world_size))
                 self.group_indices.append(index)
         if not self.flats:
             raise ValueError("model_parameters: no parameter requires a gradient; there is nothing to optimize")

@@ -14,6 +14,7 @@ Communication and ordering, per optimizer type (t = update index, theta~ = ACCO 
                                                       |           launch estimate theta~_{t+1} on A_t
                   round B_t: half batch at theta_t    | boundary: wait estimate, install theta~_{t+1},
                                                       |           launch commit t+1 on A_t + B_t
+    CO2           see :mod:`deepspeed_acco.runtime.co2` (local steps, outer averaging every tau steps)
 """
 import abc
 import collections
@@ -44,6 +45,8 @@ class Phase(enum.Enum):
     """ACCO A_t: accumulating the first half at theta~_t; the running job commits theta_t (none for t = 0)."""
     SECOND_HALF = "second_half"
     """ACCO B_t: accumulating the second half at theta_t; the running job estimates theta~_{t+1} from A_t."""
+    LOCAL = "local"
+    """CO2 round k+1: local inner steps from the anchor x_{k+1}; the running job computes x_{k+2}."""
 
 
 @dataclass(kw_only=True)
