@@ -143,7 +143,7 @@ class CO2OuterJob:
 class CO2Schedule(Schedule):
     """Inner AdamW steps on the training thread; the outer averaging job overlapped with a round."""
 
-    phase = Phase.LOCAL
+    initial_phase = Phase.LOCAL
 
     def __init__(self, flats: List[FlatParamGroup], shards: List[ShardState], communicator: Communicator,
                  pipeline: Pipeline, settings: ScheduleSettings, *, outer_communicator: Communicator, local_steps: int,
@@ -156,13 +156,24 @@ class CO2Schedule(Schedule):
         self.outer_momentum = outer_momentum
         self.gap_penalty = gap_penalty
         self.clip_threshold = clip_threshold
-        self.outers = [OuterState(flat, outer_communicator.world_size, outer_communicator.rank, communication_dtype,
-                                  adaptive=gap_penalty == ADAPTIVE) for flat in flats]
+        self._communication_dtype = communication_dtype
+        self.outers = self._fresh_outer_states()
         self.inner_steps_in_round = 0
         self.outer_rounds = 0
         """Outer boundaries passed (k after boundary k - 1)."""
         self.outer_skips = 0
         self.last_outer: Optional[OuterResult] = None
+
+    def _fresh_outer_states(self) -> List[OuterState]:
+        return [OuterState(flat, self.outer_communicator.world_size, self.outer_communicator.rank,
+                           self._communication_dtype, adaptive=self.gap_penalty == ADAPTIVE) for flat in self.flats]
+
+    def reset(self) -> None:
+        """Start CO2 afresh from the weights the model holds: x_0 = x_1 = them, m = 0."""
+        super().reset()
+        self.outers = self._fresh_outer_states()
+        self.inner_steps_in_round = 0
+        self.outer_rounds = 0
 
     def boundary(self) -> None:
         self._inner_step()

@@ -81,6 +81,20 @@ class Work:
         return self._result
 
 
+class CompletedWork:
+    """A job that already finished, e.g. the pending job of a loaded checkpoint."""
+
+    def __init__(self, label: str, result: Any):
+        self.label = label
+        self._result = result
+
+    def is_done(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._result
+
+
 class Communicator:
     """Collectives on one dedicated process group, labelled and tracked for hang reports.
 
