@@ -19,6 +19,9 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world_size, port, result_path, args, env):
+    import faulthandler
+    crash_log = open(result_path + ".crash", "w")
+    faulthandler.enable(crash_log, all_threads=True)  # a native abort still leaves a traceback
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     os.environ.update(env or {})
@@ -65,7 +68,9 @@ def run_distributed(fn, world_size, *args, timeout_s=240, env=None):
             if not ok:
                 failures.append(f"--- rank {rank} ---\n{payload}")
             elif process.exitcode != 0:
-                failures.append(f"--- rank {rank} returned a result but exited with code {process.exitcode}")
+                with open(path + ".crash") as handle:
+                    crash = handle.read()
+                failures.append(f"--- rank {rank} returned a result but exited with code {process.exitcode}\n{crash}")
             results.append(payload)
     if failures:
         raise AssertionError("distributed test failed:\n" + "\n".join(failures))

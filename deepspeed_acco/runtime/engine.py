@@ -10,6 +10,7 @@ import collections
 import contextlib
 import logging
 import os
+import sys
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -31,10 +32,19 @@ _RECENT_COMMITS = 1024
 _SCHEDULES = {ShardedAdamW: ShardedAdamWSchedule, DPU: DPUSchedule, ACCO: ACCOSchedule}
 
 
-def _log_rank0(message: str) -> None:
+def _configure_logger() -> None:
+    """Give our logger a stdout handler (as DeepSpeed does for its own) unless the user configured one."""
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[deepspeed_acco] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _log_rank0(message: str, level: int = logging.INFO) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info(message)
-        print(f"[deepspeed_acco] {message}", flush=True)
+        logger.log(level, message)
 
 
 class AccoEngine(torch.nn.Module):
@@ -43,6 +53,7 @@ class AccoEngine(torch.nn.Module):
     def __init__(self, *, model: torch.nn.Module, param_groups: List[Dict], config: AccoConfig,
                  lr_scheduler: Any = None, training_data=None, collate_fn=None, device: torch.device):
         super().__init__()
+        _configure_logger()
         self.config = config
         self._config = config.raw
         self.module = model
@@ -327,7 +338,8 @@ class AccoEngine(torch.nn.Module):
         if result.skipped:
             self.skipped_steps += 1
             _log_rank0(f"step {self.global_steps}: non-finite gradient (norm {result.grad_norm}); update skipped on "
-                       f"every rank, optimizer state untouched (skipped so far: {self.skipped_steps})")
+                       f"every rank, optimizer state untouched (skipped so far: {self.skipped_steps})",
+                       logging.WARNING)
         else:
             self.optimizer.applied_steps += 1
             self._step_applied = True

@@ -129,6 +129,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         raise ValueError("dist_init_required=False but torch.distributed is not initialised; initialise it first")
     if dist.get_world_size() != acco_config.world_size:
         acco_config = parse_config(config_dict, dist.get_world_size())
+    # DeepSpeed's own utilities (loss scalers, log_dist, deepspeed.comm in user loops) need its
+    # comm layer; on an initialised torch.distributed it only wraps the default group.
+    import deepspeed.comm
+    deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False,
+                                    dist_init_required=False)
     on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     engine = AccoEngine(model=model, param_groups=param_groups, config=acco_config, lr_scheduler=lr_scheduler,
