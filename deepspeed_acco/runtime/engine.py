@@ -87,6 +87,7 @@ class AccoEngine(torch.nn.Module):
         self.communicator = new_communicator(list(range(self.world_size)), options.communication_timeout_s,
                                              name="acco-jobs")
         self.pipeline = Pipeline(self.global_rank, device, [self.communicator], options.communication_timeout_s)
+        self._communicators = [self.communicator]
         batch = config.batch
         nominal = batch.gradient_accumulation_steps
         if config.optimizer_type == ACCO:
@@ -99,6 +100,7 @@ class AccoEngine(torch.nn.Module):
         if config.optimizer_type == CO2:
             group_size = options.group_size
             inner = self._group_communicator(group_size, options.communication_timeout_s)
+            self._communicators.append(inner)
             self.optimizer = ShardedOptimizer(param_groups, defaults, world_size=group_size,
                                               rank=self.global_rank % group_size,
                                               communication_dtype=communication_dtype, synchronous=True,
@@ -304,7 +306,13 @@ class AccoEngine(torch.nn.Module):
             except Exception as error:  # already failing: report, but let shutdown proceed
                 self._failure = error
                 logger.warning("communication job failed during shutdown: %s", error)
-        self.pipeline.close(join_timeout_s=0.0 if self._failure is not None else 10.0)
+        stopped = self.pipeline.close(join_timeout_s=0.0 if self._failure is not None else 10.0)
+        if stopped and self._failure is None:
+            # Release our process groups while the interpreter is intact: a gloo group that a
+            # thread used and that is left to interpreter finalisation can abort the process.
+            for group in {id(c.group): c.group for c in self._communicators if c.group is not None}.values():
+                dist.destroy_process_group(group)
+            self._communicators = []
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
@@ -322,6 +330,8 @@ class AccoEngine(torch.nn.Module):
 
     # ---- internals -------------------------------------------------------------------------
     def _check_healthy(self) -> None:
+        if self.pipeline.closed:
+            raise RuntimeError("the engine was destroyed (engine.destroy() or interpreter exit); create a new one")
         if self._failure is not None:
             raise RuntimeError("the engine's communication pipeline failed earlier; restart from a checkpoint") \
                 from self._failure
