@@ -1,5 +1,4 @@
 """Checkpoints (DESIGN 5): exact continuation, DeepSpeed interop, re-sharding, atomicity, consolidation."""
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -7,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from distributed_utils import free_port, run_distributed
+from distributed_utils import run_distributed, run_until_exit
 from reference_sim import Simulator, TinyNet, batch, flat_trainable, loss_fn, param_groups
 
 MICRO_BATCH = 4
@@ -241,17 +240,8 @@ def _continuous(rank, world_size):
 
 @pytest.mark.slow
 def test_a_crash_during_save_leaves_the_previous_checkpoint_and_latest(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=_save_then_die, args=(rank, 2, port, str(tmp_path))) for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert processes[0].exitcode == -9
+    exit_codes = run_until_exit(_save_then_die, 2, str(tmp_path))
+    assert exit_codes[0] == -9
     assert (tmp_path / "latest").read_text() == "good"
     assert not (tmp_path / "interrupted").exists()
     resumed = run_distributed(_load_latest, 2, str(tmp_path))

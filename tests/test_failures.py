@@ -1,6 +1,5 @@
 """Failure behaviour (DESIGN 6): non-finite gradients, fp16 loss scaling, a dead peer."""
 import logging
-import multiprocessing
 import os
 import pickle
 import time
@@ -8,7 +7,7 @@ import time
 import pytest
 import torch
 
-from distributed_utils import free_port, run_distributed
+from distributed_utils import run_distributed, run_until_exit
 from reference_sim import TinyNet, batch, flat_trainable, loss_fn
 
 ACCUMULATION = 4  # ACCO halves of 2: A_0 = [0, 1], B_0 = [2, 3], A_1 = [4, 5], B_1 = [6, 7], ...
@@ -168,13 +167,14 @@ def _dead_peer_rank(rank, world_size, port, directory, result_path):
             raise  # the training script dies with it: a non-zero exit code
 
 
-def _resume_after_crash(rank, world_size, directory):
+def _train_acco(rank, start, stop, seed, load_dir=None):
     import deepspeed_acco
-    model = TinyNet(seed=1)
-    config = _config("ACCO", gradient_accumulation_steps=2)
-    engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
-    engine.load_checkpoint(directory)
-    for index in range(6, 14):
+    model = TinyNet(seed=seed)
+    engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(),
+                                           config=_config("ACCO", gradient_accumulation_steps=2))
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
+    for index in range(start, stop):
         x, y = batch(rank, index)
         engine.backward(loss_fn(engine(x), y))
         engine.step()
@@ -182,44 +182,25 @@ def _resume_after_crash(rank, world_size, directory):
         committed = flat_trainable(model)
     engine.destroy()
     return committed
+
+
+def _resume_after_crash(rank, world_size, directory):
+    return _train_acco(rank, 6, 14, seed=1, load_dir=directory)
 
 
 def _uninterrupted(rank, world_size):
-    import deepspeed_acco
-    model = TinyNet(seed=0)
-    engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(),
-                                           config=_config("ACCO", gradient_accumulation_steps=2))
-    for index in range(14):
-        x, y = batch(rank, index)
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-    with engine.committed_parameters():
-        committed = flat_trainable(model)
-    engine.destroy()
-    return committed
+    return _train_acco(rank, 0, 14, seed=0)
 
 
 @pytest.mark.slow
 def test_a_killed_rank_makes_the_survivor_fail_fast_and_the_job_resumes_exactly(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
     result_path = str(tmp_path / "survivor.pkl")
-    processes = [context.Process(target=_dead_peer_rank, args=(rank, 2, port, str(tmp_path), result_path))
-                 for rank in range(2)]
     started = time.monotonic()
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
+    exit_codes = run_until_exit(_dead_peer_rank, 2, str(tmp_path), result_path)
     elapsed = time.monotonic() - started
-    alive = [process.is_alive() for process in processes]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert not any(alive), "a process was left hanging"
-    assert processes[1].exitcode == -9
-    assert processes[0].exitcode not in (0, None), "the survivor must exit non-zero"
+    assert None not in exit_codes, "a process was left hanging"
+    assert exit_codes[1] == -9
+    assert exit_codes[0] != 0, "the survivor must exit non-zero"
     with open(result_path, "rb") as handle:
         survivor = pickle.load(handle)
     assert "collective" in survivor["error"] and "rank 0" in survivor["error"], survivor["error"]

@@ -27,7 +27,7 @@ import torch
 from .. import ops
 from .comm import Communicator, Pipeline
 from .flat import FlatParamGroup
-from .jobs import AdamWJob, JobKind, ShardState, hyperparameters_of
+from .jobs import JobKind, ShardState
 from .schedule import Phase, Schedule, ScheduleSettings
 
 ADAPTIVE = "adaptive"
@@ -186,13 +186,7 @@ class CO2Schedule(Schedule):
 
     def _inner_step(self) -> None:
         """One AdamW step of this replica (ZeRO-1 within the group), synchronous on this thread."""
-        for flat in self.flats:
-            flat.hand_over_grads()
-        job = AdamWJob(kind=JobKind.COMMIT, flats=self.flats, states=self.shards, communicator=self.communicator,
-                       step=self._applied_steps() + 1,
-                       hyperparameters=[hyperparameters_of(flat.param_group) for flat in self.flats],
-                       local_micro_batches=self.round_micro_batches, loss_scale=self._loss_scale(),
-                       gradient_clipping=self.settings.gradient_clipping)
+        job = self._make_job(JobKind.COMMIT)
         with torch.no_grad():
             result = job()
         self._on_commit(result)

@@ -147,16 +147,19 @@ class Schedule(abc.ABC):
         self.last_result = result
         return result
 
-    def _launch(self, kind: JobKind, *, keep_first_half: bool = False, first_half_micro_batches: int = 0,
-                synchronous: bool = False) -> Work:
+    def _make_job(self, kind: JobKind, **options) -> AdamWJob:
+        """Hand the round's gradients over and capture everything the job needs, now."""
         for flat in self.flats:
             flat.hand_over_grads()
-        job = AdamWJob(kind=kind, flats=self.flats, states=self.shards, communicator=self.communicator,
-                       step=self._applied_steps() + 1,
-                       hyperparameters=[hyperparameters_of(flat.param_group) for flat in self.flats],
-                       local_micro_batches=self.round_micro_batches, loss_scale=self._loss_scale(),
-                       gradient_clipping=self.settings.gradient_clipping, keep_first_half=keep_first_half,
-                       first_half_micro_batches=first_half_micro_batches)
+        return AdamWJob(kind=kind, flats=self.flats, states=self.shards, communicator=self.communicator,
+                        step=self._applied_steps() + 1,
+                        hyperparameters=[hyperparameters_of(flat.param_group) for flat in self.flats],
+                        local_micro_batches=self.round_micro_batches, loss_scale=self._loss_scale(),
+                        gradient_clipping=self.settings.gradient_clipping, **options)
+
+    def _launch(self, kind: JobKind, *, keep_first_half: bool = False, first_half_micro_batches: int = 0,
+                synchronous: bool = False) -> Work:
+        job = self._make_job(kind, keep_first_half=keep_first_half, first_half_micro_batches=first_half_micro_batches)
         work = self.pipeline.submit(job, label=f"{kind.value} of update {job.step}")
         if synchronous or not self.settings.overlap:
             # Same math, no overlap: the job completes now; its result is still installed at
