@@ -168,6 +168,35 @@ def test_adamw_step_on_unaligned_views(kernels):
     assert_bitwise(out, param.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_shard_output_on_unaligned_buffer(kernels, out_dtype):
+    # Above 32 MB per call the CPU kernels stream the output with non-temporal stores; an output
+    # view one element into its buffer exercises the unaligned head before the streamed blocks.
+    device = kernels
+    numel = (1 << 21) + 37
+    param, exp_avg, exp_avg_sq = adamw_state(numel, device)
+    grad = random_grad(numel, device, 1)
+    expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    peeked = torch.empty(numel + 1, dtype=out_dtype, device=device)[1:]
+    out = torch.empty(numel + 1, dtype=out_dtype, device=device)[1:]
+    ops.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=2, out=peeked, **EXAGGERATED)
+    ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=2, out=out, **EXAGGERATED)
+    reference.adamw_step(expected[0], grad, expected[1], expected[2], step=2, **EXAGGERATED)
+    for actual, want in zip((param, exp_avg, exp_avg_sq), expected):
+        assert_close_rel(actual, want)
+    assert_bitwise(out, param.to(out_dtype))
+    assert_bitwise(peeked, out)
+
+    prev_anchor, anchor, momentum, mean_params = co2_state(numel, device)
+    expected = [t.clone() for t in (prev_anchor, anchor, momentum)]
+    ops.co2_outer_step(prev_anchor, anchor, momentum, mean_params, clip_threshold=0.2, out=out, **CO2_HYPER)
+    reference.co2_outer_step(*expected, mean_params, clip_threshold=0.2, **CO2_HYPER)
+    for actual, want in zip((prev_anchor, anchor, momentum), expected):
+        assert_close_rel(actual, want)
+    assert_bitwise(out, anchor.to(out_dtype))
+
+
 @pytest.mark.parametrize("kernels", ["cpu"], indirect=True)
 def test_cpu_result_does_not_depend_on_thread_count(kernels):
     numel = (1 << 20) + 3

@@ -34,6 +34,7 @@ def cpu_arch_flags():
 class AccoCPUOpsBuilder(AccoBuilderMixin, OpBuilder):
     BUILD_VAR = "DS_BUILD_ACCO_CPU_OPS"
     NAME = "acco_cpu_ops"
+    _openmp_probe_results = {}  # compiler -> bool: the probe runs once per process and compiler
 
     def __init__(self):
         super().__init__(name=self.NAME)
@@ -59,8 +60,6 @@ class AccoCPUOpsBuilder(AccoBuilderMixin, OpBuilder):
                 f"{self.NAME} needs OpenMP: '{self._cxx_compiler()} -fopenmp' cannot compile '#include <omp.h>' "
                 "(install the compiler's OpenMP runtime, e.g. libgomp)", verbose)
         return super().is_compatible(verbose)
-
-    _openmp_probe_results = {}  # compiler -> bool; the probe runs once per process and compiler
 
     def _compiler_has_openmp(self) -> bool:
         compiler = self._cxx_compiler()
