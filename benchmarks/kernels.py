@@ -67,9 +67,9 @@ def make_cases(numel: int, device: str):
     from deepspeed_acco import ops
 
     def state():
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        param = torch.randn(numel, generator=gen).to(device)
-        grad = (torch.randn(numel, generator=gen) * 1e-2).to(device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        param = torch.randn(numel, generator=gen, device=device)
+        grad = torch.randn(numel, generator=gen, device=device) * 1e-2
         return param, grad, torch.zeros(numel, device=device), torch.zeros(numel, device=device)
 
     cases = {}
@@ -182,7 +182,8 @@ def run_size(numel: int, device: str, rounds: int, min_iters: int, min_time_s: f
             results[name] = {"error": nominal}
             continue
         ms = statistics.median(samples[name])
-        results[name] = {"ms": ms, "bytes_per_param": nominal, "gb_s": nominal * numel / (ms * 1e-3) / 1e9}
+        results[name] = {"ms": ms, "min_ms": min(samples[name]), "calls": len(samples[name]),
+                         "bytes_per_param": nominal, "gb_s": nominal * numel / (ms * 1e-3) / 1e9}
     del cases
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -190,43 +191,60 @@ def run_size(numel: int, device: str, rounds: int, min_iters: int, min_time_s: f
 
 
 def check_targets(results_by_size, device: str):
-    """[(target, size label, measured text, met)] for the issue's targets."""
+    """[(target, size label, measured on medians, measured on minima, met on medians)]."""
     checks = []
     for label, results in results_by_size.items():
-
-        def ms(name):
-            return results[name].get("ms")
-
         if device == "cpu":
-            rivals = [n for n in ("torch AdamW fused", "DeepSpeedCPUAdam") if ms(n) is not None]
-            fastest = min(ms(n) for n in rivals)
-            checks.append(("adamw_step <= min(torch fused, DeepSpeedCPUAdam)", label,
-                           f"{ms('acco adamw_step'):.2f} ms vs {fastest:.2f} ms", ms("acco adamw_step") <= fastest))
-            speedup = ms("torch AdamW fused + bf16 cast-copy") / ms("acco adamw_step + bf16 out")
-            checks.append(("step + bf16 out >= 1.2x torch fused + cast-copy", label, f"{speedup:.2f}x",
-                           speedup >= 1.2))
-            baseline = min(ms("estimate: clone/step/restore"), ms("estimate: preallocated backup/step/restore"))
-            speedup = baseline / ms("acco adamw_peek (fp32 out)")
-            checks.append(("peek >= 4x clone/step/restore (faster variant)", label, f"{speedup:.2f}x", speedup >= 4.0))
+            checks += _cpu_targets(label, results)
         else:
-            copy_gb_s = results["copy (fp32, roofline)"]["gb_s"]
-            for name in ("acco adamw_step", "acco adamw_peek (fp32 out)"):
-                fraction = results[name]["gb_s"] / copy_gb_s
-                checks.append((f"{name} >= {GPU_COPY_FRACTION_TARGET:.0%} of copy GB/s", label,
-                               f"{fraction:.1%} ({results[name]['gb_s']:.0f} of {copy_gb_s:.0f} GB/s)",
-                               fraction >= GPU_COPY_FRACTION_TARGET))
+            checks += _gpu_targets(label, results)
+    return checks
+
+
+def _cpu_targets(label, results):
+
+    def evaluate(key):
+        def t(name):
+            return results[name].get(key)
+
+        fastest_rival = min(t(n) for n in ("torch AdamW fused", "DeepSpeedCPUAdam") if t(n) is not None)
+        estimate = min(t("estimate: clone/step/restore"), t("estimate: preallocated backup/step/restore"))
+        return [
+            (t("acco adamw_step") / fastest_rival, 1.0, "{:.3f}x the time"),
+            (t("torch AdamW fused + bf16 cast-copy") / t("acco adamw_step + bf16 out"), 1.2, "{:.2f}x faster"),
+            (estimate / t("acco adamw_peek (fp32 out)"), 4.0, "{:.2f}x faster"),
+        ]
+
+    names = ("adamw_step <= min(torch fused, DeepSpeedCPUAdam)", "step + bf16 out >= 1.2x torch fused + cast-copy",
+             "peek (fp32 out) >= 4x clone/step/restore (faster variant)")
+    checks = []
+    for i, (name, (median, bound, fmt), (minimum, _, _)) in enumerate(zip(names, evaluate("ms"), evaluate("min_ms"))):
+        met = median <= bound if i == 0 else median >= bound
+        checks.append((name, label, fmt.format(median), fmt.format(minimum), met))
+    return checks
+
+
+def _gpu_targets(label, results):
+    checks = []
+    for name in ("acco adamw_step", "acco adamw_peek (fp32 out)"):
+        fractions = []
+        for key in ("ms", "min_ms"):
+            copy_time = results["copy (fp32, roofline)"][key] / results["copy (fp32, roofline)"]["bytes_per_param"]
+            fractions.append(copy_time / (results[name][key] / results[name]["bytes_per_param"]))
+        checks.append((f"{name} >= {GPU_COPY_FRACTION_TARGET:.0%} of copy GB/s", label, f"{fractions[0]:.1%}",
+                       f"{fractions[1]:.1%}", fractions[0] >= GPU_COPY_FRACTION_TARGET))
     return checks
 
 
 def format_table(label, numel, results):
     copy = results["copy (fp32, roofline)"]
-    lines = [f"\n### {label} fp32 parameters ({numel:,})\n", "| case | ms/call | B/param | GB/s | of copy GB/s |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"\n### {label} fp32 parameters ({numel:,})\n",
+             "| case | ms/call (median) | min ms | B/param | GB/s | of copy GB/s |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | {r['error']} | | | |")
+            lines.append(f"| {name} | {r['error']} | | | | |")
         else:
-            lines.append(f"| {name} | {r['ms']:.3f} | {r['bytes_per_param']} | {r['gb_s']:.1f} | "
+            lines.append(f"| {name} | {r['ms']:.3f} | {r['min_ms']:.3f} | {r['bytes_per_param']} | {r['gb_s']:.1f} | "
                          f"{r['gb_s'] / copy['gb_s']:.0%} |")
     return "\n".join(lines)
 
@@ -258,7 +276,8 @@ def main(argv=None):
     print(f"# deepspeed-acco kernel benchmark: device={args.device} ({where}), backend={backend}, "
           f"torch {torch.__version__}")
     print(f"# command: {' '.join([Path(sys.executable).name] + sys.argv)}")
-    print(f"# median ms per call over {args.rounds} interleaved rounds; GB/s = nominal bytes / time")
+    print(f"# median (and min) ms per call over {args.rounds} interleaved rounds; GB/s = nominal bytes / median time;"
+          " targets use medians")
 
     results_by_size = {}
     for numel in sizes:
@@ -267,16 +286,16 @@ def main(argv=None):
         print(format_table(label, numel, results_by_size[label]), flush=True)
 
     checks = check_targets(results_by_size, args.device)
-    print("\n### targets\n\n| target | size | measured | met |\n|---|---|---|---|")
-    for target, label, measured, met in checks:
-        print(f"| {target} | {label} | {measured} | {'yes' if met else 'NO'} |")
-    missed = [c for c in checks if not c[3]]
+    print("\n### targets\n\n| target | size | on medians | on minima | met (medians) |\n|---|---|---|---|---|")
+    for target, label, on_median, on_min, met in checks:
+        print(f"| {target} | {label} | {on_median} | {on_min} | {'yes' if met else 'NO'} |")
+    missed = [c for c in checks if not c[4]]
     print(f"\n{len(checks) - len(missed)}/{len(checks)} targets met")
 
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "backend": backend, "where": where,
                                          "results": results_by_size,
-                                         "targets": [dict(zip(("target", "size", "measured", "met"), c))
+                                         "targets": [dict(zip(("target", "size", "on_medians", "on_minima", "met"), c))
                                                      for c in checks]}, indent=2))
     return 1 if (args.strict and missed) else 0
 
