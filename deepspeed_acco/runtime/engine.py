@@ -48,7 +48,7 @@ def _log_rank0(message: str, level: int = logging.INFO) -> None:
 
 
 class AccoEngine(torch.nn.Module):
-    """DeepSpeed-compatible engine running ShardedAdamW, DPU or ACCO on the overlapped ZeRO-1 pipeline."""
+    """DeepSpeed-compatible engine running ShardedAdamW, DPU, ACCO or CO2 on the overlapped pipeline."""
 
     def __init__(self, *, model: torch.nn.Module, param_groups: List[Dict], config: AccoConfig,
                  lr_scheduler: Any = None, training_data=None, collate_fn=None, device: torch.device):
@@ -97,25 +97,8 @@ class AccoEngine(torch.nn.Module):
                                     dynamic_accumulation=getattr(options, "dynamic_accumulation", False))
         callbacks = dict(applied_steps=lambda: self.optimizer.applied_steps, on_commit=self._account_commit,
                          loss_scale=lambda: float(self.loss_scaler.cur_scale))
-        if config.optimizer_type == CO2:
-            group_size = options.group_size
-            inner = self._group_communicator(group_size, options.communication_timeout_s)
-            self._communicators.append(inner)
-            self.optimizer = ShardedOptimizer(param_groups, defaults, world_size=group_size,
-                                              rank=self.global_rank % group_size,
-                                              communication_dtype=communication_dtype, synchronous=True,
-                                              padding_world_size=self.world_size)
-            self.schedule: Schedule = CO2Schedule(
-                self.optimizer.flats, self.optimizer.shards, inner, self.pipeline, settings,
-                outer_communicator=self.communicator, local_steps=options.local_steps, outer_lr=options.outer_lr,
-                outer_momentum=options.outer_momentum, gap_penalty=options.gap_penalty,
-                clip_threshold=options.clip_threshold, communication_dtype=communication_dtype, **callbacks)
-        else:
-            self.optimizer = ShardedOptimizer(param_groups, defaults, world_size=self.world_size, rank=self.global_rank,
-                                              communication_dtype=communication_dtype,
-                                              synchronous=config.optimizer_type == ShardedAdamW)
-            self.schedule = _SCHEDULES[config.optimizer_type](self.optimizer.flats, self.optimizer.shards,
-                                                              self.communicator, self.pipeline, settings, **callbacks)
+        self.optimizer, self.schedule = self._build_optimizer_and_schedule(param_groups, defaults,
+                                                                           communication_dtype, settings, callbacks)
         self.basic_optimizer = self.optimizer
 
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
@@ -135,6 +118,30 @@ class AccoEngine(torch.nn.Module):
                    f"overlap={options.overlap} update_backend={ops.backend()}")
 
     # ---- set-up helpers --------------------------------------------------------------------
+    def _build_optimizer_and_schedule(self, param_groups, defaults, communication_dtype, settings, callbacks):
+        """ZeRO-1 over all ranks for ShardedAdamW/DPU/ACCO; for CO2, ZeRO-1 inside each group for
+        the inner steps, with flat buffers padded for all ranks so the outer state shards too."""
+        options = self.config.optimizer
+        if self.config.optimizer_type != CO2:
+            optimizer = ShardedOptimizer(param_groups, defaults, world_size=self.world_size, rank=self.global_rank,
+                                         communication_dtype=communication_dtype,
+                                         synchronous=self.config.optimizer_type == ShardedAdamW)
+            schedule = _SCHEDULES[self.config.optimizer_type](optimizer.flats, optimizer.shards, self.communicator,
+                                                              self.pipeline, settings, **callbacks)
+            return optimizer, schedule
+        group_size = options.group_size
+        inner = self._group_communicator(group_size, options.communication_timeout_s)
+        self._communicators.append(inner)
+        optimizer = ShardedOptimizer(param_groups, defaults, world_size=group_size, rank=self.global_rank % group_size,
+                                     communication_dtype=communication_dtype, synchronous=True,
+                                     padding_world_size=self.world_size)
+        schedule = CO2Schedule(optimizer.flats, optimizer.shards, inner, self.pipeline, settings,
+                               outer_communicator=self.communicator, local_steps=options.local_steps,
+                               outer_lr=options.outer_lr, outer_momentum=options.outer_momentum,
+                               gap_penalty=options.gap_penalty, clip_threshold=options.clip_threshold,
+                               communication_dtype=communication_dtype, **callbacks)
+        return optimizer, schedule
+
     def _broadcast_model(self) -> None:
         """Start every rank from rank 0's parameters and buffers, as DeepSpeed does."""
         if self.world_size == 1:
