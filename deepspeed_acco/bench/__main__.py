@@ -1,0 +1,472 @@
+"""``python -m deepspeed_acco.bench``: DeepSpeed ZeRO-1 vs ShardedAdamW, DPU, ACCO and CO2 on real text over a slow link.
+
+Trains the same GPT-Neo (built from a config, same initial weights, same data order) with each
+method at equal samples, each as a real multi-rank job started by the ``deepspeed`` launcher (or
+torchrun), inside a private network namespace whose loopback is rate-limited with ``tc tbf``.
+A compute-only run (same processes and batches, no communication) gives the floor. Prints a table
+and writes a CSV of every logged step, a summary CSV/JSON/Markdown and PNG plots to ``--out``.
+
+With no arguments (``make demo``) it runs the defaults below in well under 10 minutes on 2 CPU cores.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+from . import netns
+from .methods import BASELINE, DEFAULT_METHODS, METHODS, engine_available
+from .models import DEFAULT_PRESET, PRESETS
+
+DEFAULT_UPDATES = 60
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench",
+                                description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("what to compare")
+    g.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from {', '.join(m for m in METHODS if m != 'compute')}; "
+                        "methods needing deepspeed_acco's engine are skipped (with a note) where it is missing")
+    g.add_argument("--no-compute-only", action="store_true", help="skip the compute-only baseline run")
+    g.add_argument("--updates", type=int, default=DEFAULT_UPDATES, help="committed updates per method (equal samples)")
+    g.add_argument("--world-size", type=int, default=2, help="ranks per job")
+    g.add_argument("--local-steps", type=int, default=12, help="CO2: inner steps between parameter averagings")
+    g.add_argument("--slow-rank", default="", metavar="R:F",
+                   help="make rank R's compute F times slower (ACCO then uses dynamic accumulation)")
+    g.add_argument("--no-dynamic-accumulation", action="store_true",
+                   help="with --slow-rank: keep ACCO's accumulation fixed")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="GPT-Neo preset")
+    g.add_argument("--ctx", type=int, default=256, help="context length (tokens = bytes)")
+    g.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch per rank")
+    g.add_argument("--grad-accum", type=int, default=2, help="micro-batches per update per rank (even for ACCO)")
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--warmup", type=int, default=10, help="linear warm-up updates (then linear decay to 0)")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
+    g.add_argument("--bf16", action="store_true", help="bf16 training (DeepSpeed's bf16 section)")
+    g.add_argument("--seed", type=int, default=0, help="initial weights and data order")
+    g.add_argument("--data", default=None,
+                   help="text file, folder of text files, or Hugging Face dataset name[:config] "
+                        "(default: this Python's standard library .py files)")
+    g.add_argument("--cache-dir", default="default", help="tokenised-corpus cache (default ~/.cache/deepspeed_acco)")
+    g.add_argument("--eval-points", type=int, default=6, help="validation points per run (plus the initial weights)")
+    g.add_argument("--val-windows", type=int, default=48, help="held-out windows of --ctx bytes per validation")
+    g = p.add_argument_group("network and processes")
+    g.add_argument("--bandwidth", default="1gbit",
+                   help="loopback rate inside the private namespace (tc tbf), e.g. 1gbit, 300mbit; none: no shaping")
+    g.add_argument("--sweep-bandwidth", default="", metavar="LIST",
+                   help="comma-separated rates: run every method at each and plot speedup vs bandwidth")
+    g.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    g.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    g.add_argument("--run-timeout", type=float, default=0, help="seconds per job (0: 120 + 20 x updates)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="", help="output folder (default bench_out/<UTC time>)")
+    g.add_argument("--no-progress", action="store_true", help="one line per run instead of progress bars")
+    g.add_argument("--no-plots", action="store_true")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# Jobs
+
+
+def _package_root() -> str:
+    import deepspeed_acco
+    return os.path.dirname(os.path.dirname(os.path.abspath(deepspeed_acco.__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(args) -> dict:
+    env = dict(os.environ)
+    root = _package_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def worker_args(args, method: str, run_dir: str) -> List[str]:
+    dyn = bool(args.slow_rank) and not args.no_dynamic_accumulation
+    out = ["--method", method, "--run-dir", run_dir, "--model", args.model, "--ctx", str(args.ctx),
+           "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
+           "--updates", str(args.updates), "--lr", repr(args.lr), "--warmup", str(args.warmup),
+           "--weight-decay", repr(args.weight_decay), "--clip", repr(args.clip), "--seed", str(args.seed),
+           "--local-steps", str(args.local_steps), "--cache-dir", args.cache_dir or "",
+           "--val-windows", str(args.val_windows), "--eval-points", str(args.eval_points),
+           "--threads", str(args.threads)]
+    if args.data:
+        out += ["--data", args.data]
+    if args.slow_rank:
+        out += ["--slow-rank", args.slow_rank]
+    if dyn and method == "acco":
+        out.append("--dynamic-accumulation")
+    if args.bf16:
+        out.append("--bf16")
+    return out
+
+
+def launcher_cmd(args, port: int) -> List[str]:
+    if args.launcher == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.world_size),
+                "--master_port", str(port), "--module", "deepspeed_acco.bench.train"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "deepspeed_acco.bench.train"]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Terminate the job's process group (the launcher and its ranks; started in a new session)."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _count_rows(path: str):
+    try:
+        with open(path) as f:
+            lines = [line for line in f if line.endswith("\n")]
+    except OSError:
+        return 0, None
+    last = None
+    if lines:
+        try:
+            last = json.loads(lines[-1])
+        except ValueError:
+            pass
+    return len(lines), last
+
+
+def run_job(args, method: str, run_dir: str, ns: Optional[netns.Namespace], desc: str) -> bool:
+    """Run one method as a multi-rank job; True on success. Shows progress from rank 0's log."""
+    os.makedirs(run_dir, exist_ok=True)
+    port = 29500 if ns is not None else _free_port()
+    cmd = launcher_cmd(args, port) + worker_args(args, method, run_dir)
+    if ns is not None:
+        cmd = ns.prefix() + cmd
+    with open(os.path.join(run_dir, "command.txt"), "w") as f:
+        f.write(shlex.join(cmd) + "\n")
+    timeout = args.run_timeout or (120 + 20 * args.updates)
+    log_path = os.path.join(run_dir, "launcher.log")
+    rows_path = os.path.join(run_dir, "rank0.jsonl")
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=args.updates, desc=f"{desc:<28}", unit="upd", dynamic_ncols=True, leave=True)
+        bar.set_postfix_str("starting ranks")
+    t_start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(args),
+                                start_new_session=True, cwd=_package_root())
+        try:
+            seen = 0
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if bar is not None:
+                    n, last = _count_rows(rows_path)
+                    if n > seen:
+                        bar.update(n - seen)
+                        seen = n
+                        if last is not None:
+                            bar.set_postfix_str(f"loss {last['loss']:.3f}, {last['wall_s']:.0f} s")
+                    elif n == seen and seen >= args.updates:
+                        bar.set_postfix_str("validating copies")
+                if time.time() - t_start > timeout:
+                    print(f"\n{desc}: timed out after {timeout:.0f} s; stopping it", file=sys.stderr)
+                    _kill_group(proc)
+                    break
+        finally:
+            _kill_group(proc)
+            if bar is not None:
+                bar.close()
+    ok = proc.returncode == 0 and os.path.exists(os.path.join(run_dir, "rank0.summary.json"))
+    if not ok:
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-3000:]
+        print(f"\n{desc}: FAILED (exit code {proc.returncode}); last lines of {log_path}:\n{tail}\n", file=sys.stderr)
+    elif args.no_progress:
+        n, last = _count_rows(rows_path)
+        print(f"{desc:<28} {n} updates, train wall {last['wall_s']:.1f} s, loss {last['loss']:.3f} "
+              f"(job {time.time() - t_start:.0f} s incl. start-up)", flush=True)
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup helpers
+
+
+def resolve_methods(text: str) -> List[str]:
+    names = [m.strip().lower() for m in text.split(",") if m.strip()]
+    aliases = {"zero-1": "zero1", "zero": "zero1", "ddp": "zero0", "stage0": "zero0", "shardedadamw": "sharded"}
+    names = [aliases.get(m, m) for m in names]
+    bad = [m for m in names if m not in METHODS or m == "compute"]
+    if bad:
+        raise SystemExit(f"unknown method(s) {bad}; choose from {[m for m in METHODS if m != 'compute']}")
+    return list(dict.fromkeys(names))
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        pass
+    versions = {}
+    for mod in ("torch", "deepspeed", "transformers"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - informational only
+            versions[mod] = "?"
+    return dict(cpu=cpu, cores=os.cpu_count(), mem_gib=round(mem_gib, 1) if mem_gib else None,
+                os=f"{platform.system()} {platform.release()}", python=platform.python_version(), **versions)
+
+
+def _install_sigterm():
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    _install_sigterm()
+    methods = resolve_methods(args.methods)
+    if args.updates < 1 or args.world_size < 1:
+        raise SystemExit("--updates and --world-size must be >= 1")
+    if not engine_available():
+        ours = [m for m in methods if METHODS[m].ours]
+        if ours:
+            print(f"NOTE: this checkout has no deepspeed_acco engine (deepspeed_acco/runtime) yet; skipping "
+                  f"{', '.join(METHODS[m].label for m in ours)}.", flush=True)
+            methods = [m for m in methods if not METHODS[m].ours]
+    if "acco" in methods and args.grad_accum % 2:
+        raise SystemExit(f"ACCO splits each update's micro-batches in two halves: --grad-accum must be even "
+                         f"(got {args.grad_accum})")
+    if args.slow_rank:
+        from .train import parse_slow_rank
+        try:
+            r, _ = parse_slow_rank(args.slow_rank)
+        except ValueError as exc:
+            raise SystemExit(str(exc))
+        if r >= args.world_size:
+            raise SystemExit(f"--slow-rank {args.slow_rank}: rank {r} does not exist (world size {args.world_size})")
+    if not methods and args.no_compute_only:
+        raise SystemExit("nothing to run")
+
+    try:
+        rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
+            if args.sweep_bandwidth else [netns.parse_bandwidth(args.bandwidth)]
+    except ValueError as exc:
+        raise SystemExit(str(exc))
+    shaping_ok, why = netns.supported()
+    if any(r is not None for r in rates) and not shaping_ok:
+        print(f"WARNING: cannot emulate a slow link here ({why}); running UNSHAPED over the host loopback. "
+              f"The timings then show compute overheads only, not the network.", flush=True)
+        rates = [None]
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = os.path.abspath(args.out or os.path.join("bench_out", stamp))
+    os.makedirs(out, exist_ok=True)
+
+    from .data import load_corpus
+    from .models import build_model, count_parameters
+    corpus = load_corpus(args.data, cache_dir=args.cache_dir or None)  # build the cache once, before the ranks
+    n_params = count_parameters(build_model(args.model, args.ctx, args.seed))
+    info = machine_info()
+    tbs = args.micro_batch * args.grad_accum * args.world_size
+    print(f"deepspeed-acco bench -> {out}\n"
+          f"  model: GPT-Neo '{args.model}', {n_params:,} parameters, ctx {args.ctx}, byte vocabulary\n"
+          f"  data: {corpus.describe()}\n"
+          f"  batch: {args.world_size} ranks x micro-batch {args.micro_batch} x accumulation {args.grad_accum} "
+          f"= {tbs} samples/update; {args.updates} updates = {args.updates * tbs} samples per method\n"
+          f"  machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, deepspeed {info['deepspeed']}; "
+          f"{args.threads} thread(s) per rank; launcher: {args.launcher}", flush=True)
+
+    from . import report
+    results, failed, link = [], [], {}
+    meta = dict(command="python -m deepspeed_acco.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+                date_utc=stamp, machine=info, n_params=n_params, corpus=corpus.describe(), args=vars(args),
+                link={})
+    try:
+        if not args.no_compute_only:
+            run_dir = os.path.join(out, "runs", "compute")
+            if run_job(args, "compute", run_dir, None, METHODS["compute"].label):
+                results.append(report.load_run(run_dir, "compute", "no communication", None))
+            else:
+                failed.append("compute")
+        for bps in rates:
+            label = netns.format_bandwidth(bps)
+            ns = None
+            if bps is not None or (shaping_ok and len(rates) > 1):
+                ns = netns.Namespace(bps).create()
+            try:
+                measured = netns.measure_rate(ns, 1.0, env=_child_env(args)) if ns is not None else None
+                link[label] = measured
+                meta["link"][label] = dict(nominal_bps=bps, measured_bps=measured,
+                                           qdisc=ns.qdisc() if ns is not None else "host loopback")
+                if ns is not None and bps is not None:
+                    print(f"link: namespace {ns.name}, loopback shaped with tc tbf to {label}; "
+                          f"bulk TCP transfer measured {measured / 1e6:.0f} Mbit/s "
+                          f"(shared by both directions)", flush=True)
+                else:
+                    print(f"link: {'namespace' if ns else 'host'} loopback, unshaped" +
+                          (f", bulk TCP transfer {measured / 1e9:.1f} Gbit/s" if measured else ""), flush=True)
+                for method in methods:
+                    sub = method if len(rates) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"), method)
+                    run_dir = os.path.join(out, "runs", sub)
+                    desc = METHODS[method].label + ("" if len(rates) == 1 else f" @{label}")
+                    if run_job(args, method, run_dir, ns, desc):
+                        results.append(report.load_run(run_dir, method, label, bps))
+                    else:
+                        failed.append(f"{method}@{label}")
+            finally:
+                if ns is not None:
+                    ns.delete()
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopped the running job and removed the namespace", file=sys.stderr)
+        netns.cleanup_all()
+        return 130
+    finally:
+        netns.cleanup_all()
+
+    finish(args, out, results, failed, meta, link, n_params, rates)
+    return 1 if failed else 0
+
+
+def finish(args, out, results, failed, meta, link, n_params, rates) -> None:
+    from . import report
+    compute = next((r for r in results if r.method == "compute"), None)
+    all_rows, sweep_points, md = [], [], []
+    md.append(f"# deepspeed-acco bench, {meta['date_utc']} UTC\n")
+    md.append(f"`{meta['command']}`\n")
+    mi = meta["machine"]
+    md.append(f"Machine: {mi['cpu']}, {mi['cores']} cores, {mi['mem_gib']} GiB; {mi['os']}; Python {mi['python']}, "
+              f"torch {mi['torch']}, deepspeed {mi['deepspeed']}, transformers {mi['transformers']}; "
+              f"{args.threads} thread(s) per rank, {args.world_size} ranks, launcher {args.launcher}.\n")
+    md.append(f"Model: GPT-Neo '{args.model}' ({n_params:,} parameters), ctx {args.ctx}; micro-batch "
+              f"{args.micro_batch} x accumulation {args.grad_accum} x {args.world_size} ranks; {args.updates} updates; "
+              f"lr {args.lr:g}; data: {meta['corpus']}.\n")
+    for label in [netns.format_bandwidth(b) for b in rates]:
+        group = [r for r in results if r.bandwidth == label]
+        if compute is not None:
+            group = [compute] + group
+        if not group:
+            continue
+        rows = report.table_rows(group)
+        for r in rows:
+            r["bandwidth"] = label
+        all_rows += [r for r in rows if not (r["method"] == "compute" and any(x["method"] == "compute" for x in all_rows))]
+        measured = link.get(label)
+        heading = f"## Link: {label}" + (f" (measured {measured / 1e6:.0f} Mbit/s)" if measured and label != "unshaped" else "")
+        table = report.markdown_table(rows)
+        theory = _theory_lines(args, rows, compute, n_params, measured if label != "unshaped" else None)
+        md += [heading + "\n", table + "\n", *theory, ""]
+        print(f"\n{heading}\n{table}\n" + "\n".join(theory))
+        base = next((r for r in rows if r["method"] == BASELINE), None)
+        if base is not None and compute is not None and measured:
+            t_comp = compute.ms_per_update / 1000.0
+            t_comm = report.comm_round_seconds(n_params, args.world_size, measured, 2 if args.bf16 else 4)
+            for r in rows:
+                if r["method"] in ("compute", BASELINE):
+                    continue
+                b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps)
+                sweep_points.append(dict(method=r["method"], link_bps=measured, speedup=r["speedup_vs_zero1"],
+                                         bound_speedup=(base["ms_per_update"] / 1000.0) / b if b else None))
+    md.append(report.TABLE_NOTES + "\n")
+    if failed:
+        md.append(f"FAILED runs: {', '.join(failed)} (see runs/*/launcher.log)\n")
+
+    report.write_steps_csv(os.path.join(out, "steps.csv"), results)
+    report.write_summary_csv(os.path.join(out, "summary.csv"), all_rows)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(dict(meta, table=all_rows, sweep=sweep_points), f, indent=1, default=str)
+    plots = []
+    if not args.no_plots and results:
+        for label in [netns.format_bandwidth(b) for b in rates]:
+            group = [r for r in results if r.bandwidth == label]
+            if not group:
+                continue
+            suffix = "" if len(rates) == 1 else "_" + label.replace(" ", "").replace("/", "p")
+            title = (f"GPT-Neo {n_params / 1e6:.1f}M, {args.world_size} ranks, link {label}, "
+                     f"{args.updates} updates x {args.micro_batch * args.grad_accum * args.world_size} samples")
+            p1 = os.path.join(out, f"val_loss_vs_wallclock{suffix}.png")
+            report.plot_val_vs_wall(p1, group, title)
+            p2 = os.path.join(out, f"loss_vs_samples{suffix}.png")
+            report.plot_loss_vs_samples(p2, group, title)
+            plots += [p1, p2]
+        if len(rates) > 1 and sweep_points:
+            p3 = os.path.join(out, "speedup_vs_bandwidth.png")
+            report.plot_speedup_vs_bandwidth(
+                p3, sweep_points, f"GPT-Neo {n_params / 1e6:.1f}M, {args.world_size} ranks: measured speedup (solid) "
+                                  f"and bound T_ZeRO-1 / max(T_compute, k T_comm) (dashed)")
+            plots.append(p3)
+    for p in plots:
+        md.append(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(md))
+    print(f"\n{report.TABLE_NOTES}\n\nwrote {out}/results.md, steps.csv, summary.csv, results.json"
+          + "".join(f", {os.path.basename(p)}" for p in plots))
+    if failed:
+        print(f"FAILED runs: {', '.join(failed)}", file=sys.stderr)
+
+
+def _theory_lines(args, rows, compute, n_params, measured_bps) -> List[str]:
+    """Where the time should go: T_compute measured, T_comm from the measured link rate, each method's bound."""
+    from . import report
+    if compute is None or not measured_bps:
+        return []
+    t_comp = compute.ms_per_update / 1000.0
+    t_comm = report.comm_round_seconds(n_params, args.world_size, measured_bps, 2 if args.bf16 else 4)
+    lines = [f"Per update: T_compute = {1000 * t_comp:.0f} ms (compute-only run); T_comm = {1000 * t_comm:.0f} ms "
+             f"(one reduce-scatter + all-gather of {n_params / 1e6:.2f}M {'bf16' if args.bf16 else 'fp32'} values at "
+             f"the measured {measured_bps / 1e6:.0f} Mbit/s, ideal). Bounds: DPU max(T_compute, T_comm), "
+             f"ACCO max(T_compute, 2 T_comm), CO2 max(T_compute, T_comm / {args.local_steps}), others T_compute + T_comm."]
+    for r in rows:
+        if r["method"] == "compute":
+            continue
+        b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps)
+        lines.append(f"- {r['label']}: {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
+                     f"({r['ms_per_update'] / (1000 * b):.2f}x the bound)")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
