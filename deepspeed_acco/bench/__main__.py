@@ -98,6 +98,11 @@ def _child_env(args) -> dict:
     env["OMP_NUM_THREADS"] = str(args.threads)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # DeepSpeed JIT-builds a small shared-memory op in every initialize on CPU. A private build folder
+    # keeps other DeepSpeed users of this machine (with other compiler flags) from forcing rebuilds.
+    if not env.get("TORCH_EXTENSIONS_DIR"):
+        from .data import default_cache_dir
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(default_cache_dir(), "torch_extensions")
     return env
 
 
@@ -145,6 +150,22 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def _loadavg() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def _busy_warning(args) -> Optional[str]:
+    """A warning when other work is running: the bench's own ranks need the cores to themselves."""
+    load, cores = _loadavg(), os.cpu_count() or 1
+    if load is not None and load > 0.5 * cores:
+        return (f"WARNING: the machine is busy before the bench starts (1-minute load average {load:.1f} on {cores} "
+                f"cores); other processes compete with the {args.world_size} ranks, so timings will be noisy.")
+    return None
+
+
 def _count_rows(path: str):
     try:
         with open(path) as f:
@@ -178,6 +199,7 @@ def run_job(args, method: str, run_dir: str, ns: Optional[netns.Namespace], desc
         bar = tqdm(total=args.updates, desc=f"{desc:<28}", unit="upd", dynamic_ncols=True, leave=True)
         bar.set_postfix_str("starting ranks")
     t_start = time.time()
+    load_before = _loadavg()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(args),
                                 start_new_session=True, cwd=_package_root())
@@ -202,6 +224,9 @@ def run_job(args, method: str, run_dir: str, ns: Optional[netns.Namespace], desc
             _kill_group(proc)
             if bar is not None:
                 bar.close()
+    with open(os.path.join(run_dir, "job.json"), "w") as f:
+        json.dump(dict(returncode=proc.returncode, job_s=time.time() - t_start, loadavg_before=load_before,
+                       loadavg_after=_loadavg(), command=cmd), f, indent=1)
     ok = proc.returncode == 0 and os.path.exists(os.path.join(run_dir, "rank0.summary.json"))
     if not ok:
         with open(log_path, errors="replace") as f:
@@ -319,12 +344,15 @@ def main(argv=None) -> int:
           f"= {tbs} samples/update; {args.updates} updates = {args.updates * tbs} samples per method\n"
           f"  machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, deepspeed {info['deepspeed']}; "
           f"{args.threads} thread(s) per rank; launcher: {args.launcher}", flush=True)
+    busy = _busy_warning(args)
+    if busy:
+        print(busy, flush=True)
 
     from . import report
     results, failed, link = [], [], {}
     meta = dict(command="python -m deepspeed_acco.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
                 date_utc=stamp, machine=info, n_params=n_params, corpus=corpus.describe(), args=vars(args),
-                link={})
+                link={}, busy_warning=busy)
     try:
         if not args.no_compute_only:
             run_dir = os.path.join(out, "runs", "compute")
@@ -384,6 +412,8 @@ def finish(args, out, results, failed, meta, link, n_params, rates) -> None:
     md.append(f"Model: GPT-Neo '{args.model}' ({n_params:,} parameters), ctx {args.ctx}; micro-batch "
               f"{args.micro_batch} x accumulation {args.grad_accum} x {args.world_size} ranks; {args.updates} updates; "
               f"lr {args.lr:g}; data: {meta['corpus']}.\n")
+    if meta.get("busy_warning"):
+        md.append(meta["busy_warning"] + "\n")
     for label in [netns.format_bandwidth(b) for b in rates]:
         group = [r for r in results if r.bandwidth == label]
         if compute is not None:

@@ -32,6 +32,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
 )}
 DEFAULT_METHODS = ("zero1", "zero0", "sharded", "dpu", "acco", "co2")
 BASELINE = "zero1"
+MIN_LR_FRACTION = 0.1  # warm up from, and decay to, lr / 10 (DeepSpeed's first two updates run at the minimum)
 
 
 def engine_available() -> bool:
@@ -70,7 +71,7 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         "wall_clock_breakdown": False,
         "optimizer": {"type": spec.optimizer, "params": params},
         "scheduler": {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": max(1, int(warmup)),
+            "warmup_min_lr": lr * MIN_LR_FRACTION, "warmup_max_lr": lr, "warmup_num_steps": max(2, int(warmup)),
             "total_num_steps": max(int(total_updates), int(warmup) + 1), "warmup_type": "linear"}},
     }
     if spec.zero_stage is not None:
@@ -81,10 +82,17 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
 
 
 def warmup_decay_lr(step: int, lr: float, warmup: int, total_updates: int) -> float:
-    """The learning rate DeepSpeed's ``WarmupDecayLR`` (linear warm-up) gives after ``step`` updates,
-    for the compute-only baseline, which runs without DeepSpeed."""
-    warmup = max(1, int(warmup))
-    total = max(int(total_updates), warmup + 1)
-    if step < warmup:
-        return lr * step / warmup
-    return lr * max(0.0, (total - step) / max(1.0, total - warmup))
+    """The learning rate DeepSpeed's ``WarmupDecayLR`` (linear warm-up, the config above) sets after
+    ``step`` scheduler steps, i.e. the lr of update ``step + 1``; for the compute-only baseline, which
+    runs without DeepSpeed."""
+    min_lr = lr * MIN_LR_FRACTION
+    if step <= 0:
+        return min_lr
+    it = step - 1  # DeepSpeed's last_batch_iteration
+    warmup = max(2, int(warmup))
+    total = max(int(total_updates), int(warmup) + 1)
+    if it < warmup:
+        gamma = it / warmup
+    else:
+        gamma = max(0.0, (total - it) / max(1.0, total - warmup))
+    return min_lr + (lr - min_lr) * gamma

@@ -23,6 +23,7 @@ class RunResult:
     rows: Dict[int, List[dict]]    # rank -> per-update rows
     summaries: Dict[int, dict]     # rank -> summary
     val: Dict[int, float] = field(default_factory=dict)  # update -> validation loss
+    job: dict = field(default_factory=dict)                # launcher exit code, job seconds, load averages
 
     @property
     def label(self) -> str:
@@ -110,7 +111,11 @@ def load_run(run_dir: str, method: str, bandwidth: str = "", bps: Optional[float
             rows[s["rank"]] = [json.loads(line) for line in f if line.strip()]
     if not summaries:
         raise FileNotFoundError(f"no rank summaries in {run_dir} (the run failed; see its launcher.log)")
-    return RunResult(method=method, bandwidth=bandwidth, bps=bps, rows=rows, summaries=summaries, val=val)
+    job = {}
+    if os.path.exists(os.path.join(run_dir, "job.json")):
+        with open(os.path.join(run_dir, "job.json")) as f:
+            job = json.load(f)
+    return RunResult(method=method, bandwidth=bandwidth, bps=bps, rows=rows, summaries=summaries, val=val, job=job)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,7 +150,8 @@ def table_rows(results: Sequence[RunResult]) -> List[dict]:
                    val_gap_vs_zero1=((r.final_val_loss / base.final_val_loss - 1.0)
                                      if base is not None and not is_compute else None),
                    peak_rss_mib=r.peak_rss_mib, init_s=max(s["init_s"] for s in r.summaries.values()),
-                   snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()))
+                   snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()),
+                   job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"))
         out.append(row)
     return out
 
