@@ -25,7 +25,7 @@ from . import netns
 from .methods import BASELINE, DEFAULT_METHODS, METHODS, engine_available
 from .models import DEFAULT_PRESET, PRESETS
 
-DEFAULT_UPDATES = 60
+DEFAULT_UPDATES = 50
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text file, folder of text files, or Hugging Face dataset name[:config] "
                         "(default: this Python's standard library .py files)")
     g.add_argument("--cache-dir", default="default", help="tokenised-corpus cache (default ~/.cache/deepspeed_acco)")
-    g.add_argument("--eval-points", type=int, default=6, help="validation points per run (plus the initial weights)")
-    g.add_argument("--val-windows", type=int, default=48, help="held-out windows of --ctx bytes per validation")
+    g.add_argument("--eval-points", type=int, default=5, help="validation points per run (plus the initial weights)")
+    g.add_argument("--val-windows", type=int, default=40, help="held-out windows of --ctx bytes per validation")
     g = p.add_argument_group("network and processes")
     g.add_argument("--bandwidth", default="1gbit",
                    help="loopback rate inside the private namespace (tc tbf), e.g. 1gbit, 300mbit; none: no shaping")
@@ -428,6 +428,7 @@ def finish(args, out, results, failed, meta, link, n_params, rates) -> None:
         heading = f"## Link: {label}" + (f" (measured {measured / 1e6:.0f} Mbit/s)" if measured and label != "unshaped" else "")
         table = report.markdown_table(rows)
         theory = _theory_lines(args, rows, compute, n_params, measured if label != "unshaped" else None)
+        theory += _noise_lines(rows)
         md += [heading + "\n", table + "\n", *theory, ""]
         print(f"\n{heading}\n{table}\n" + "\n".join(theory))
         base = next((r for r in rows if r["method"] == BASELINE), None)
@@ -465,8 +466,9 @@ def finish(args, out, results, failed, meta, link, n_params, rates) -> None:
         if len(rates) > 1 and sweep_points:
             p3 = os.path.join(out, "speedup_vs_bandwidth.png")
             report.plot_speedup_vs_bandwidth(
-                p3, sweep_points, f"GPT-Neo {n_params / 1e6:.1f}M, {args.world_size} ranks: measured speedup (solid) "
-                                  f"and bound T_ZeRO-1 / max(T_compute, k T_comm) (dashed)")
+                p3, sweep_points, f"GPT-Neo {n_params / 1e6:.1f}M, {args.world_size} ranks: measured speedup (solid)\n"
+                                  f"bound T_ZeRO-1 / max(T_compute, k T_comm) (dashed; k: ACCO 2, DPU 1, "
+                                  f"CO2 1/{args.local_steps})")
             plots.append(p3)
     for p in plots:
         md.append(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
@@ -476,6 +478,22 @@ def finish(args, out, results, failed, meta, link, n_params, rates) -> None:
           + "".join(f", {os.path.basename(p)}" for p in plots))
     if failed:
         print(f"FAILED runs: {', '.join(failed)}", file=sys.stderr)
+
+
+def _noise_lines(rows) -> List[str]:
+    """How much of the machine other processes took while each run trained (timings are only
+    comparable when this is ~0 for every run)."""
+    loads = [(r["label"], r.get("other_load_cores"), r.get("steal_cores")) for r in rows]
+    if all(x[1] is None for x in loads):
+        return []
+    text = ", ".join(f"{label} {load:.2f}" + (f" (+{steal:.2f} stolen)" if steal and steal > 0.01 else "")
+                     for label, load, steal in loads if load is not None)
+    lines = [f"Other processes during training (cores busy outside the ranks, average): {text}."]
+    worst = max((x[1] or 0.0) + (x[2] or 0.0) for x in loads)
+    if worst > 0.1:
+        lines.append(f"WARNING: other work took up to {worst:.2f} cores of this {os.cpu_count()}-core machine during "
+                     f"some runs; their timings are inflated. Rerun on a quiet machine for clean numbers.")
+    return lines
 
 
 def _theory_lines(args, rows, compute, n_params, measured_bps) -> List[str]:

@@ -64,6 +64,23 @@ class RunResult:
             return None
         return sum(waits) / len(waits)
 
+    @property
+    def other_load(self) -> Optional[float]:
+        """Cores used by processes other than this job's ranks during the training, on average (machine
+        busy time minus the ranks' CPU time, over the wall-clock); ~0 on a quiet machine."""
+        busy = [s.get("machine_busy_s") for s in self.summaries.values()]
+        if any(b is None for b in busy) or not busy:
+            return None
+        own = sum(s.get("cpu_s", 0.0) for s in self.summaries.values())
+        return max(0.0, (sum(busy) / len(busy) - own) / max(self.wall_s, 1e-9))
+
+    @property
+    def steal_cores(self) -> Optional[float]:
+        steal = [s.get("machine_steal_s") for s in self.summaries.values()]
+        if any(x is None for x in steal) or not steal:
+            return None
+        return (sum(steal) / len(steal)) / max(self.wall_s, 1e-9)
+
     def final_train_loss(self, frac: float = 0.1) -> float:
         """Mean train loss over the last ``frac`` of the updates, over all ranks."""
         vals = []
@@ -151,7 +168,9 @@ def table_rows(results: Sequence[RunResult]) -> List[dict]:
                                      if base is not None and not is_compute else None),
                    peak_rss_mib=r.peak_rss_mib, init_s=max(s["init_s"] for s in r.summaries.values()),
                    snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()),
-                   job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"))
+                   job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"),
+                   other_load_cores=r.other_load, steal_cores=r.steal_cores,
+                   rank_cpu_s=sum(s.get("cpu_s", 0.0) for s in r.summaries.values()))
         out.append(row)
     return out
 
@@ -320,6 +339,11 @@ def plot_speedup_vs_bandwidth(path: str, points: Sequence[dict], title: str) -> 
                     label=f"{METHODS[method].label} bound")
     ax.axhline(1.0, color="0.5", lw=0.8)
     ax.set_xscale("log")
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    ticks = sorted({p["link_bps"] / 1e6 for p in points})
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:.0f}"))
     ax.set_xlabel("measured link rate (Mbit/s, shared by both directions)")
     ax.set_ylabel("speedup vs DeepSpeed ZeRO-1 (equal samples)")
     ax.set_title(title, fontsize=9)
