@@ -3,9 +3,9 @@
 Switch a DeepSpeed job to our optimizers by changing the config's optimizer type and calling
 :func:`deepspeed_acco.initialize` instead of ``deepspeed.initialize``.
 """
-__version__ = "0.1.0"
+from .config import OPTIMIZER_TYPES
 
-OPTIMIZER_TYPES = ("ShardedAdamW", "DPU", "ACCO", "CO2")
+__version__ = "0.1.0"
 
 
 def initialize(*args, **kwargs):

@@ -1,0 +1,1 @@
+"""The overlapped ZeRO-1 engine: configuration, communication pipeline, schedules, checkpoints."""

@@ -1,0 +1,136 @@
+"""``deepspeed_acco.initialize``: a drop-in for ``deepspeed.initialize`` (DESIGN 2).
+
+If the config selects one of our optimizer types the model is wrapped in :class:`AccoEngine`;
+otherwise every argument is passed to ``deepspeed.initialize`` unchanged. Config mistakes raise
+``ValueError`` before torch.distributed is initialised or any collective runs.
+"""
+import datetime
+import os
+import socket
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import load_config, optimizer_type, parse_config
+from .engine import AccoEngine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _world_size_before_init() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
+
+
+def _single_process_defaults() -> None:
+    """Without launcher variables this is a single process: give it a private local rendezvous."""
+    if dist.is_initialized() or "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ["RANK"] = "0"
+    os.environ["WORLD_SIZE"] = "1"
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def init_distributed(timeout_s: float) -> None:
+    """Initialise torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT if not done yet.
+
+    gloo on CPU, nccl on CUDA, like DeepSpeed.
+    """
+    if dist.is_initialized():
+        return
+    _single_process_defaults()
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ValueError(f"cannot initialise torch.distributed: environment variables {missing} are not set; "
+                         f"start the job with the deepspeed launcher or torchrun")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _param_groups(model: torch.nn.Module, model_parameters) -> List[Dict]:
+    if model_parameters is None:
+        model_parameters = model.parameters()
+    items = list(model_parameters)
+    if not items:
+        raise ValueError("model_parameters: empty; pass model.parameters() or a list of param-group dicts")
+    if all(isinstance(item, dict) for item in items):
+        groups = [dict(item, params=list(item["params"])) for item in items]
+    elif all(isinstance(item, torch.Tensor) for item in items):
+        groups = [{"params": items}]
+    else:
+        raise ValueError("model_parameters: mix of tensors and dicts; pass either parameters or param-group dicts")
+    seen = set()
+    model_param_ids = {id(p) for p in model.parameters()}
+    for index, group in enumerate(groups):
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(f"model_parameters: a parameter appears twice (group {index}); each parameter may "
+                                 f"belong to one group only")
+            if id(p) not in model_param_ids:
+                raise ValueError(f"model_parameters: group {index} holds a tensor that is not a parameter of the model")
+            seen.add(id(p))
+    return groups
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: Optional[int] = None, mpu: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Any = None, config: Any = None, config_params: Any = None, **kwargs):
+    """Same signature and return as ``deepspeed.initialize``: ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    if config is None and config_params is not None:
+        config = config_params
+    args_config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if args_config is not None and config is not None:
+        raise ValueError("config: given both as args.deepspeed_config and as the config argument; pass only one")
+    config = config if config is not None else args_config
+    if config is None:
+        raise ValueError("config: missing; pass config=<dict or JSON path> or args.deepspeed_config")
+    config_dict = load_config(config)
+
+    if optimizer_type(config_dict) is None:
+        import deepspeed
+        if dist_init_required is not False:
+            _single_process_defaults()
+        forwarded = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                         training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                         dist_init_required=dist_init_required, collate_fn=collate_fn, config=config_dict, **kwargs)
+        if distributed_port is not None:
+            forwarded["distributed_port"] = distributed_port
+        return deepspeed.initialize(**forwarded)
+
+    if model is None:
+        raise ValueError("model: deepspeed_acco.initialize requires a model")
+    if optimizer is not None:
+        raise ValueError("optimizer: a client optimizer was passed but the config selects optimizer type "
+                         f"{config_dict['optimizer']['type']!r}; remove one of the two")
+    if mpu is not None:
+        raise ValueError("mpu: model parallelism is not supported by deepspeed_acco's optimizers; remove mpu")
+    if kwargs:
+        raise ValueError(f"unsupported arguments for our optimizer types: {sorted(kwargs)}")
+    acco_config = parse_config(config_dict, _world_size_before_init())
+    param_groups = _param_groups(model, model_parameters)
+    if dist_init_required is not False:
+        init_distributed(acco_config.optimizer.communication_timeout_s)
+    elif not dist.is_initialized():
+        raise ValueError("dist_init_required=False but torch.distributed is not initialised; initialise it first")
+    if dist.get_world_size() != acco_config.world_size:
+        acco_config = parse_config(config_dict, dist.get_world_size())
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    engine = AccoEngine(model=model, param_groups=param_groups, config=acco_config, lr_scheduler=lr_scheduler,
+                        training_data=training_data, collate_fn=collate_fn, device=device)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

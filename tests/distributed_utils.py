@@ -1,0 +1,72 @@
+"""Run a function on W real processes (gloo, CPU) and collect each rank's return value.
+
+Used by the multi-process tests (layer 3 of the test plan). Each rank gets the usual launcher
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) and one thread.
+"""
+import multiprocessing
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, result_path, args, env):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    os.environ.update(env or {})
+    try:
+        import torch
+        torch.set_num_threads(1)
+        outcome = (True, fn(rank, world_size, *args))
+    except BaseException:
+        outcome = (False, traceback.format_exc())
+    with open(result_path + ".tmp", "wb") as handle:
+        pickle.dump(outcome, handle)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def run_distributed(fn, world_size, *args, timeout_s=240, env=None):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    ``fn`` must be importable (defined at module level). Raises with every failing rank's
+    traceback, if a rank does not finish within ``timeout_s``, or if a process exits non-zero.
+    """
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as directory:
+        paths = [os.path.join(directory, f"rank{rank}.pkl") for rank in range(world_size)]
+        processes = [context.Process(target=_entry, args=(fn, rank, world_size, port, paths[rank], args, env))
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        failures, results = [], []
+        for rank, (process, path) in enumerate(zip(processes, paths)):
+            if process.is_alive():
+                process.kill()
+                process.join()
+                failures.append(f"--- rank {rank} did not finish within {timeout_s} s")
+                continue
+            if not os.path.exists(path):
+                failures.append(f"--- rank {rank} exited with code {process.exitcode} without a result")
+                continue
+            with open(path, "rb") as handle:
+                ok, payload = pickle.load(handle)
+            if not ok:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+            elif process.exitcode != 0:
+                failures.append(f"--- rank {rank} returned a result but exited with code {process.exitcode}")
+            results.append(payload)
+    if failures:
+        raise AssertionError("distributed test failed:\n" + "\n".join(failures))
+    return results

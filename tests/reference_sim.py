@@ -1,0 +1,209 @@
+"""An independent single-process simulation of DESIGN 3.1-3.3 for the tests.
+
+W simulated workers feed the same micro-batches as the real ranks (``batch(rank, j)``). The
+optimizer is plain ``torch.optim.AdamW`` on one model; ACCO's Peek is done the slow, obviously
+correct way (deep-copy model and optimizer, step, read, discard), so the simulation shares no
+code with the engine's fused path.
+"""
+import copy
+import math
+
+import torch
+
+IN_FEATURES, HIDDEN, OUT_FEATURES = 5, 7, 3
+
+
+class TinyNet(torch.nn.Module):
+    """122 trainable parameters (not divisible by 3, padded for 2 and 3 ranks) plus a frozen layer."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Linear(IN_FEATURES, HIDDEN)
+        self.hidden = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.frozen = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, OUT_FEATURES)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        x = torch.tanh(self.embed(x))
+        x = torch.tanh(self.hidden(x)) + self.frozen(x)
+        return self.head(x)
+
+
+def param_groups(model, two_groups=True, weight_decay=0.1):
+    """Two groups: weight matrices with decay, biases without (the usual split)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not two_groups:
+        return [{"params": [p for _, p in trainable]}]
+    return [{"params": [p for n, p in trainable if n.endswith("weight")], "weight_decay": weight_decay},
+            {"params": [p for n, p in trainable if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+_TEACHER = torch.randn(IN_FEATURES, OUT_FEATURES, generator=torch.Generator().manual_seed(99))
+
+
+def batch(rank, index, micro_batch_size=4, seed=1234):
+    """Micro-batch ``index`` of worker ``rank``: a learnable target (a fixed teacher) plus noise."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + index)
+    x = torch.randn(micro_batch_size, IN_FEATURES, generator=generator)
+    y = torch.tanh(x @ _TEACHER) + 0.1 * torch.randn(micro_batch_size, OUT_FEATURES, generator=generator)
+    return x, y
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def flat_trainable(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+class Simulator:
+    """Holds the simulated model, its AdamW optimizer and each worker's micro-batch cursor.
+
+    With ``model_dtype=torch.bfloat16`` the model computes in bf16 while AdamW runs on fp32 master
+    copies (``self.trainable``), the mixed-precision recipe of DeepSpeed's bf16 mode.
+    """
+
+    def __init__(self, world_size, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, clipping=0.0,
+                 seed=0, two_groups=True, model_dtype=torch.float32, ranks=None):
+        self.world_size = world_size
+        self.ranks = list(range(world_size)) if ranks is None else list(ranks)
+        """The workers whose micro-batches this model's gradients average (CO2: one group)."""
+        self.model = TinyNet(seed).to(model_dtype)
+        self.model_params = [p for p in self.model.parameters() if p.requires_grad]
+        master = TinyNet(seed).to(model_dtype).float()  # the engine's masters start from the cast model
+        self.optimizer = torch.optim.AdamW(param_groups(master, two_groups, weight_decay), lr=lr, betas=betas,
+                                           eps=eps, weight_decay=weight_decay, foreach=False)
+        self.clipping = clipping
+        self.cursor = {rank: 0 for rank in self.ranks}
+        self.trainable = [p for p in master.parameters() if p.requires_grad]
+        self.model_dtype = model_dtype
+
+    def get(self):
+        return [p.detach().clone() for p in self.trainable]
+
+    def flat(self):
+        """The committed (master) parameters as one flat fp32 vector."""
+        return torch.cat([p.detach().reshape(-1) for p in self.trainable])
+
+    def set(self, values):
+        with torch.no_grad():
+            for p, v in zip(self.trainable, values):
+                p.copy_(v)
+
+    def gradient_sum(self, at, micro_batches_per_worker):
+        """Sum over workers of their next micro-batches' gradients at parameters ``at``; and the count."""
+        with torch.no_grad():
+            for p, v in zip(self.model_params, at):
+                p.copy_(v)
+        total = [torch.zeros_like(p) for p in self.trainable]
+        count = 0
+        for rank in self.ranks:
+            for _ in range(micro_batches_per_worker):
+                x, y = batch(rank, self.cursor[rank])
+                self.cursor[rank] += 1
+                self.model.zero_grad()
+                loss_fn(self.model(x.to(self.model_dtype)).float(), y).backward()
+                for t, p in zip(total, self.model_params):
+                    t.add_(p.grad)
+                count += 1
+        return total, count
+
+    def _apply(self, mean_grad):
+        for p, g in zip(self.trainable, mean_grad):
+            p.grad = g.clone()
+        if self.clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.clipping)
+        self.optimizer.step()
+
+    def adamw(self, mean_grad):
+        """theta, m, v <- AdamW(theta, m, v, g): a committed update of the simulated model."""
+        self._apply(mean_grad)
+
+    def peek(self, mean_grad):
+        """The parameters AdamW would produce, computed on throw-away copies."""
+        saved_params = self.get()
+        saved_state = copy.deepcopy(self.optimizer.state_dict())
+        self._apply(mean_grad)
+        estimate = self.get()
+        self.set(saved_params)
+        self.optimizer.load_state_dict(saved_state)
+        return estimate
+
+
+def simulate_sharded(world_size, accumulation, num_updates, **options):
+    sim = Simulator(world_size, **options)
+    for _ in range(num_updates):
+        total, count = sim.gradient_sum(sim.get(), accumulation)
+        sim.adamw([t / count for t in total])
+    return sim
+
+
+def simulate_dpu(world_size, accumulation, num_rounds, **options):
+    """DESIGN 3.2: g_0 = g(theta_0; B_0), g_t = g(theta_{t-1}; B_t); theta_{t+1} = AdamW(theta_t, g_t).
+
+    Returns the parameters the model holds after ``num_rounds`` rounds (theta_{rounds-1}).
+    """
+    sim = Simulator(world_size, **options)
+    model_holds = sim.get()  # theta_0
+    for _ in range(num_rounds):
+        total, count = sim.gradient_sum(model_holds, accumulation)
+        model_holds = sim.get()  # the boundary installs theta_t (committed so far) ...
+        sim.adamw([t / count for t in total])  # ... and launches theta_{t+1}
+    return model_holds, sim
+
+
+def simulate_acco(world_size, accumulation, num_updates, **options):
+    """DESIGN 3.3, with the parameters the model holds after the step() ending round B_{num_updates-1}.
+
+    The model then holds theta~_{num_updates}; the committed theta_{num_updates} is also returned.
+    """
+    half = accumulation // 2
+    sim = Simulator(world_size, **options)
+    estimate = sim.get()  # theta~_0 = theta_0
+    for _ in range(num_updates):
+        first_sum, first_count = sim.gradient_sum(estimate, half)  # A_t at theta~_t
+        second_sum, second_count = sim.gradient_sum(sim.get(), half)  # B_t at theta_t
+        estimate = sim.peek([s / first_count for s in first_sum])  # theta~_{t+1}
+        sim.adamw([(a + b) / (first_count + second_count) for a, b in zip(first_sum, second_sum)])
+    return estimate, sim.get(), sim
+
+
+def _norm(tensors):
+    return math.sqrt(sum(float(t.pow(2).sum()) for t in tensors))
+
+
+def simulate_co2(world_size, accumulation, num_rounds, *, local_steps, outer_lr, outer_momentum, gap_penalty,
+                 clip_threshold=None, group_size=1, **options):
+    """DESIGN 3.5 with one replica (model + AdamW) per group. Returns (x_R, x_{R+1}, replicas):
+    the anchor the replicas were reset to at the last boundary, and the one its job computes."""
+    replicas = [Simulator(world_size, ranks=range(first, first + group_size), **options)
+                for first in range(0, world_size, group_size)]
+    anchors = {0: replicas[0].get(), 1: replicas[0].get()}
+    momentum = [torch.zeros_like(t) for t in anchors[0]]
+    for k in range(num_rounds):
+        for _ in range(local_steps):
+            for replica in replicas:
+                total, count = replica.gradient_sum(replica.get(), accumulation)
+                replica.adamw([t / count for t in total])
+        ys = [replica.get() for replica in replicas]
+        ybar = [sum(parts) / len(ys) for parts in zip(*ys)]
+        x_k, x_next = anchors[k], anchors[k + 1]
+        if gap_penalty == "adaptive":
+            largest = max(float(_norm([a - b for a, b in zip(y, x_k)])) for y in ys)
+            penalty = 1.0 + float(_norm([a - b for a, b in zip(x_next, x_k)])) / (largest + 1e-12)
+        else:
+            penalty = gap_penalty
+        for m, anchor, mean in zip(momentum, x_k, ybar):
+            m.mul_(outer_momentum).add_((anchor - mean) / penalty)
+            if clip_threshold is not None:
+                m.clamp_(-clip_threshold, clip_threshold)
+        anchors[k + 2] = [anchor - outer_lr * m for anchor, m in zip(x_next, momentum)]
+        for replica in replicas:
+            replica.set(x_next)  # inner AdamW moments are kept
+    return anchors[num_rounds], anchors[num_rounds + 1], replicas

@@ -1,0 +1,120 @@
+"""CO2 on the engine (DESIGN 3.5), multi-process gloo with 2, 3 and 4 ranks: against the
+independent simulation, overlap on/off, clipping, the Local-SGD identity, and outer-state size."""
+import pytest
+import torch
+
+from distributed_utils import run_distributed
+from reference_sim import TinyNet, batch, flat_trainable, loss_fn, param_groups, simulate_co2
+
+LR, WEIGHT_DECAY, ACCUMULATION, LOCAL_STEPS, ROUNDS = 1e-2, 0.1, 2, 3, 4
+
+VARIANTS = {
+    "adaptive": dict(gap_penalty="adaptive", outer_lr=1.0, outer_momentum=0.5),
+    "constant": dict(gap_penalty=2.0, outer_lr=0.8, outer_momentum=0.3),
+    "adaptive-clip": dict(gap_penalty="adaptive", outer_lr=1.0, outer_momentum=0.5, clip_threshold=2e-3),
+    "constant-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9, clip_threshold=2e-3),
+    "loose-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9, clip_threshold=1e3),
+    "no-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9),
+    "local-sgd": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.0),
+}
+
+
+def _co2_worker(rank, world_size, runs):
+    import deepspeed_acco
+    results = {}
+    for name, group_size, overlap in runs:
+        model = TinyNet(seed=0)
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
+                  "gradient_clipping": 0.0, "steps_per_print": 1000,
+                  "optimizer": {"type": "CO2", "params": dict(lr=LR, weight_decay=WEIGHT_DECAY, local_steps=LOCAL_STEPS,
+                                                              group_size=group_size, overlap=overlap,
+                                                              **VARIANTS[name])}}
+        engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=param_groups(model, True, WEIGHT_DECAY),
+                                               config=config)
+        schedule = engine.schedule
+        boundaries = []
+        for index in range(ROUNDS * LOCAL_STEPS * ACCUMULATION):
+            x, y = batch(rank, index)
+            engine.backward(loss_fn(engine(x), y))
+            rounds_before = schedule.outer_rounds
+            engine.step()
+            if schedule.outer_rounds != rounds_before:
+                boundaries.append({"y": [s.local_params.clone() for s in schedule.outers],
+                                   "x_next": [f.model_flat.clone() for f in engine.optimizer.flats]})
+        result = {"holds": flat_trainable(model), "global_steps": engine.global_steps, "boundaries": boundaries}
+        with engine.committed_parameters():
+            result["committed"] = flat_trainable(model)
+        result["sizes"] = [(f.padded_numel, s.prev_anchor.numel(), s.anchor.numel(), s.momentum.numel(),
+                            s.mean.numel()) for f, s in zip(engine.optimizer.flats, schedule.outers)]
+        engine.destroy()
+        results[(name, group_size, overlap)] = result
+    return results
+
+
+def _check_against_simulation(results, world_size, name, group_size):
+    holds, committed, _ = simulate_co2(world_size, ACCUMULATION, ROUNDS, local_steps=LOCAL_STEPS,
+                                       group_size=group_size, lr=LR, weight_decay=WEIGHT_DECAY, **VARIANTS[name])
+    ours = results[0][(name, group_size, True)]
+    assert ours["global_steps"] == ROUNDS * LOCAL_STEPS
+    difference = (ours["holds"] - torch.cat([t.reshape(-1) for t in holds])).abs().max().item()
+    assert difference <= 1e-6, f"{name}, group_size={group_size}: anchor x_R differs by {difference}"
+    difference = (ours["committed"] - torch.cat([t.reshape(-1) for t in committed])).abs().max().item()
+    assert difference <= 1e-6, f"{name}, group_size={group_size}: anchor x_(R+1) differs by {difference}"
+    for rank_result in results:  # every replica restarts from the same anchor
+        assert torch.equal(rank_result[(name, group_size, True)]["holds"], ours["holds"])
+
+
+@pytest.mark.slow
+def test_co2_two_ranks_matches_simulation_overlap_clipping_and_local_sgd_identity():
+    runs = [(name, 1, True) for name in VARIANTS] + [("adaptive", 1, False), ("constant-clip", 1, False)]
+    results = run_distributed(_co2_worker, 2, runs)
+    for name in ("adaptive", "constant", "adaptive-clip", "constant-clip"):
+        _check_against_simulation(results, 2, name, 1)
+    for name in ("adaptive", "constant-clip"):
+        for rank_result in results:
+            assert torch.equal(rank_result[(name, 1, True)]["holds"], rank_result[(name, 1, False)]["holds"])
+            assert torch.equal(rank_result[(name, 1, True)]["committed"], rank_result[(name, 1, False)]["committed"])
+
+    # Clipping that binds changes the trajectory; one that never binds changes nothing.
+    clipped, loose, plain = (results[0][(name, 1, True)]["committed"] for name in ("constant-clip", "loose-clip",
+                                                                                   "no-clip"))
+    assert torch.equal(loose, plain)
+    assert (clipped - plain).abs().max() > 1e-4
+
+    # alpha_o = 1, beta_o = 0, lambda = 1: x_{k+2} = ybar_k + (x_{k+1} - x_k), checked on the engine.
+    boundaries = [rank_result[("local-sgd", 1, True)]["boundaries"] for rank_result in results]
+    initial = [flat.clone() for flat in boundaries[0][0]["x_next"]]  # x_1 = x_0
+    anchors = [initial, initial] + [b["x_next"] for b in boundaries[0][1:]]  # x_0, x_1, x_2, ...
+    assert len(anchors) == ROUNDS + 1
+    for k in range(ROUNDS - 1):
+        for group in range(len(initial)):
+            ybar = sum(rank_boundaries[k]["y"][group] for rank_boundaries in boundaries) / len(boundaries)
+            expected = ybar + (anchors[k + 1][group] - anchors[k][group])
+            assert (anchors[k + 2][group] - expected).abs().max() <= 1e-6, k
+    assert (anchors[3][0] - anchors[1][0]).abs().max() > 1e-3  # the anchor really moved
+
+
+@pytest.mark.slow
+def test_co2_three_ranks_matches_simulation():
+    results = run_distributed(_co2_worker, 3, [("adaptive-clip", 1, True), ("constant", 1, True)])
+    _check_against_simulation(results, 3, "adaptive-clip", 1)
+    _check_against_simulation(results, 3, "constant", 1)
+
+
+@pytest.mark.slow
+def test_co2_four_ranks_groups_of_two_and_outer_state_scales_as_one_over_w():
+    runs = [("adaptive", 2, True), ("constant-clip", 2, True), ("adaptive", 1, True)]
+    results = run_distributed(_co2_worker, 4, runs, timeout_s=360)
+    _check_against_simulation(results, 4, "adaptive", 2)
+    _check_against_simulation(results, 4, "constant-clip", 2)
+    _check_against_simulation(results, 4, "adaptive", 1)
+    # Ranks of a group hold identical replicas mid-round; different groups do not.
+    holds = [r[("adaptive", 2, True)]["boundaries"][-1]["y"][0] for r in results]
+    assert torch.equal(holds[0], holds[1]) and torch.equal(holds[2], holds[3])
+    assert not torch.equal(holds[0], holds[2])
+    # Outer state per rank is one W-th of the padded model (memory O(params / W)).
+    two_rank = run_distributed(_co2_worker, 2, [("adaptive", 1, True)])[0][("adaptive", 1, True)]["sizes"]
+    for sizes_by_world, world_size in ((results[0][("adaptive", 2, True)]["sizes"], 4), (two_rank, 2)):
+        for padded, *outer_shards in sizes_by_world:
+            assert all(size == padded // world_size for size in outer_shards)
+    assert sum(s[1] for s in results[0][("adaptive", 2, True)]["sizes"]) * 2 <= sum(s[1] for s in two_rank) + 8
