@@ -234,7 +234,12 @@ def run(args) -> dict:
             snapshots[committed] = _snapshot(engine)
         snapshot_s += time.perf_counter() - ts
         wait = getattr(engine, "communication_wait_s", None)
-        row = dict(update=committed, samples=int(getattr(engine, "global_samples", 0) or committed * train_batch_size),
+        engine_samples = int(getattr(engine, "global_samples", 0) or 0)
+        # Committed samples: updates x global batch, except with dynamic accumulation, where only the
+        # engine knows (it counts them at commit). Our engines count fixed-accumulation samples when
+        # consumed, which runs ahead of the commits of a delayed method.
+        samples = engine_samples if args.dynamic_accumulation else committed * train_batch_size
+        row = dict(update=committed, samples=samples, engine_samples=engine_samples,
                    wall_s=time.perf_counter() - t0, loss=sum(losses) / len(losses), micro_batches=len(losses),
                    comm_wait_s=None if wait is None else float(wait), lr=float(engine.get_lr()[0]))
         log.write(json.dumps(row) + "\n")
@@ -253,8 +258,10 @@ def run(args) -> dict:
         if i % world == rank:
             eval_model.load_state_dict(snapshots[update])
             val[update] = evaluate(eval_model, windows, batch_size=max(1, 2 * args.micro_batch))
+    engine_samples = int(getattr(engine, "global_samples", 0) or 0)
     summary = dict(method=args.method, rank=rank, world_size=world, updates=committed, micro_batches=micro,
-                   samples=int(getattr(engine, "global_samples", 0) or committed * train_batch_size),
+                   samples=engine_samples if args.dynamic_accumulation else committed * train_batch_size,
+                   engine_samples=engine_samples,
                    train_batch_size=train_batch_size, wall_s=wall_s, init_s=init_s, snapshot_s=snapshot_s,
                    slow_sleep_s=slow_s, comm_wait_s=None if wait is None else float(wait),
                    peak_rss_mib=peak_rss_mib, cpu_s=cpu_s,
