@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ctx", type=int, default=256, help="context length (tokens = bytes)")
     g.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch per rank")
     g.add_argument("--grad-accum", type=int, default=2, help="micro-batches per update per rank (even for ACCO)")
-    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate (1e-3: the best of 5e-4, 1e-3, 2e-3, 3e-3 for DeepSpeed ZeRO-1 at the defaults)")
     g.add_argument("--warmup", type=int, default=10, help="linear warm-up updates (then linear decay to 0)")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")

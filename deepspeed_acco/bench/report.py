@@ -168,6 +168,7 @@ def table_rows(results: Sequence[RunResult]) -> List[dict]:
                                      if base is not None and not is_compute else None),
                    peak_rss_mib=r.peak_rss_mib, init_s=max(s["init_s"] for s in r.summaries.values()),
                    snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()),
+                   wall_incl_copies_s=max(s.get("wall_incl_copies_s", s["wall_s"]) for s in r.summaries.values()),
                    job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"),
                    other_load_cores=r.other_load, steal_cores=r.steal_cores,
                    rank_cpu_s=sum(s.get("cpu_s", 0.0) for s in r.summaries.values()))
@@ -183,7 +184,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
         wait = _fmt(r["comm_wait_s"], ".1f")
         if r["comm_wait_derived"]:
             wait = f"~{wait}*"
-        cells = [r["label"], _fmt(r["wall_s"], ".1f"), _fmt(r["ms_per_update"], ".0f"), _fmt(r["x_compute"], ".2f") + "x",
+        cells = [r["label"], _fmt(r["wall_s"], ".1f"), _fmt(r["ms_per_update"], ".0f"),
+                 (_fmt(r["x_compute"], ".2f") + "x") if r["x_compute"] is not None else "",
                  _fmt(r["samples_per_s"], ".1f"),
                  (_fmt(r["speedup_vs_zero1"], ".2f") + "x") if r["speedup_vs_zero1"] is not None else "",
                  wait, _fmt(r["train_loss"], ".3f", ""), _fmt(r["val_loss"], ".4f", ""),
@@ -195,7 +197,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
 
 TABLE_NOTES = (
     "Equal samples for every method (same updates x global batch). wall = training only (after initialize and a "
-    "barrier, slowest rank); x compute = wall / compute-only wall, the floor (same processes and batches, no "
+    "barrier, slowest rank; paused while the committed parameters are copied for validation, see snapshot_s and "
+    "wall_incl_copies_s in summary.csv); x compute = wall / compute-only wall, the floor (same processes and batches, no "
     "communication). comm wait: the engine's measured time blocked on communication (mean over ranks); "
     "`~x*` = derived as wall - compute-only wall, for DeepSpeed's engine, which has no such counter. train loss: "
     "mean of the last 10% of updates over ranks; val loss: held-out files, after the last update (nats/byte, "
