@@ -150,7 +150,9 @@ def _run_bench(out, *extra, timeout=300):
 def test_bench_smoke_unshaped(tmp_path):
     """2 ranks, no shaping: the table, the CSVs, the PNGs, sane numbers."""
     methods = ["zero1", "zero0"] + (["sharded", "dpu", "acco", "co2"] if engine_available() else [])
-    res = _run_bench(tmp_path, "--bandwidth", "none", "--methods", ",".join(methods), "--local-steps", "2")
+    # torchrun here (the faster launcher); the namespace test below uses the default deepspeed launcher.
+    res = _run_bench(tmp_path, "--bandwidth", "none", "--methods", ",".join(methods), "--local-steps", "2",
+                     "--launcher", "torchrun")
     assert res.returncode == 0, res.stdout[-4000:]
     out = res.stdout
     assert "| method |" in out and "DeepSpeed ZeRO-1" in out
