@@ -182,6 +182,12 @@ def _count_rows(path: str):
     return len(lines), last
 
 
+# Inside a shaped namespace, NCCL (GPU jobs) must talk over TCP on the namespace's loopback, not
+# through shared memory or peer-to-peer copies, which would bypass the emulated link.
+NCCL_OVER_LOOPBACK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
+                      "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def run_job(args, method: str, run_dir: str, ns: Optional[netns.Namespace], desc: str) -> bool:
     """Run one method as a multi-rank job; True on success. Shows progress from rank 0's log."""
     os.makedirs(run_dir, exist_ok=True)
@@ -202,7 +208,10 @@ def run_job(args, method: str, run_dir: str, ns: Optional[netns.Namespace], desc
     t_start = time.time()
     load_before = _loadavg()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(args),
+        env = _child_env(args)
+        if ns is not None:
+            env.update(NCCL_OVER_LOOPBACK)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=_package_root())
         try:
             seen = 0

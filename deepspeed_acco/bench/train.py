@@ -189,6 +189,9 @@ def run(args) -> dict:
     if method.optimizer is None:
         if world > 1 and not dist.is_initialized():  # only for the start barrier, never during training
             dist.init_process_group("gloo", rank=rank, world_size=world)
+        if torch.cuda.is_available():  # on GPUs the floor is GPU compute too
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            model = model.to(torch.device("cuda", torch.cuda.current_device()))
         engine = _ComputeOnly(model, args, world)
     else:
         cfg = ds_config(args.method, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
@@ -199,7 +202,7 @@ def run(args) -> dict:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
                 json.dump(cfg, f, indent=1)
         (engine, _, _, _), used_acco_initialize = initialize_engine(model, cfg, method)
-    device = getattr(engine, "device", torch.device("cpu"))
+    device = getattr(engine, "device", None) or next(engine.module.parameters()).device
     train_batch_size = args.micro_batch * args.grad_accum * world
     to_eval = set(eval_updates(args.updates, args.eval_points))
     snapshots = {}
@@ -250,7 +253,8 @@ def run(args) -> dict:
     wall_s = time.perf_counter() - t0 - snapshot_s  # the clock stops while parameters are copied
     cpu_s, sys1 = time.process_time() - cpu0, _system_cpu()
     log.close()
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    peak_gpu_mib = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     wait = getattr(engine, "communication_wait_s", None)
 
     # Validation of the copies, after the clock stopped; the ranks split the copies between them.
@@ -268,7 +272,7 @@ def run(args) -> dict:
                    train_batch_size=train_batch_size, wall_s=wall_s, init_s=init_s, snapshot_s=snapshot_s,
                    wall_incl_copies_s=wall_s + snapshot_s,
                    slow_sleep_s=slow_s, comm_wait_s=None if wait is None else float(wait),
-                   peak_rss_mib=peak_rss_mib, cpu_s=cpu_s,
+                   peak_rss_mib=peak_rss_mib, peak_gpu_mib=peak_gpu_mib, cpu_s=cpu_s,
                    machine_busy_s=None if sys0 is None or sys1 is None else sys1[0] - sys0[0],
                    machine_steal_s=None if sys0 is None or sys1 is None else sys1[1] - sys0[1], n_params=n_params, slow_factor=slow_factor,
                    engine=type(engine).__name__, via_deepspeed_acco_initialize=used_acco_initialize,
