@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     g.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     g.add_argument("--run-timeout", type=float, default=0, help="seconds per job (0: 120 + 20 x updates)")
+    g.add_argument("--repeat", type=int, default=1,
+                   help="run every job N times, interleaved (rotating the order), and report median timings")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="", help="output folder (default bench_out/<UTC time>)")
     g.add_argument("--no-progress", action="store_true", help="one line per run instead of progress bars")
@@ -304,8 +306,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _install_sigterm()
     methods = resolve_methods(args.methods)
-    if args.updates < 1 or args.world_size < 1:
-        raise SystemExit("--updates and --world-size must be >= 1")
+    if args.updates < 1 or args.world_size < 1 or args.repeat < 1:
+        raise SystemExit("--updates, --world-size and --repeat must be >= 1")
     if not engine_available():
         ours = [m for m in methods if METHODS[m].ours]
         if ours:
@@ -363,41 +365,58 @@ def main(argv=None) -> int:
     meta = dict(command="python -m deepspeed_acco.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
                 date_utc=stamp, machine=info, n_params=n_params, corpus=corpus.describe(), args=vars(args),
                 link={}, busy_warning=busy)
+    by_key = {}
+
+    def collect(run_dir, method, label, bps):
+        r = report.load_run(run_dir, method, label, bps)
+        if (method, label) in by_key:
+            by_key[(method, label)].reps.append(r)
+        else:
+            by_key[(method, label)] = r
+            results.append(r)
+
     try:
-        if not args.no_compute_only:
-            run_dir = os.path.join(out, "runs", "compute")
-            if run_job(args, "compute", run_dir, None, METHODS["compute"].label):
-                results.append(report.load_run(run_dir, "compute", "no communication", None))
-            else:
-                failed.append("compute")
-        for bps in rates:
-            label = netns.format_bandwidth(bps)
-            ns = None
-            if bps is not None or (shaping_ok and len(rates) > 1):
-                ns = netns.Namespace(bps).create()
-            try:
-                measured = netns.measure_rate(ns, 1.0, env=_child_env(args)) if ns is not None else None
-                link[label] = measured
-                meta["link"][label] = dict(nominal_bps=bps, measured_bps=measured,
-                                           qdisc=ns.qdisc() if ns is not None else "host loopback")
-                if ns is not None and bps is not None:
-                    print(f"link: namespace {ns.name}, loopback shaped with tc tbf to {label}; "
-                          f"bulk TCP transfer measured {measured / 1e6:.0f} Mbit/s "
-                          f"(shared by both directions)", flush=True)
+        for rep in range(max(1, args.repeat)):
+            tag = "" if args.repeat <= 1 else f"rep{rep}"
+            rtag = "" if args.repeat <= 1 else f" (run {rep + 1}/{args.repeat})"
+            if not args.no_compute_only:
+                run_dir = os.path.join(out, "runs", "compute", tag)
+                if run_job(args, "compute", run_dir, None, METHODS["compute"].label + rtag):
+                    collect(run_dir, "compute", "no communication", None)
                 else:
-                    print(f"link: {'namespace' if ns else 'host'} loopback, unshaped" +
-                          (f", bulk TCP transfer {measured / 1e9:.1f} Gbit/s" if measured else ""), flush=True)
-                for method in methods:
-                    sub = method if len(rates) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"), method)
-                    run_dir = os.path.join(out, "runs", sub)
-                    desc = METHODS[method].label + ("" if len(rates) == 1 else f" @{label}")
-                    if run_job(args, method, run_dir, ns, desc):
-                        results.append(report.load_run(run_dir, method, label, bps))
+                    failed.append("compute")
+            for bps in rates:
+                label = netns.format_bandwidth(bps)
+                ns = None
+                if bps is not None or (shaping_ok and len(rates) > 1):
+                    ns = netns.Namespace(bps).create()
+                try:
+                    measured = netns.measure_rate(ns, 1.0, env=_child_env(args)) if ns is not None else None
+                    if label not in link:
+                        link[label] = measured
+                        meta["link"][label] = dict(nominal_bps=bps, measured_bps=measured, measured_all=[],
+                                                   qdisc=ns.qdisc() if ns is not None else "host loopback")
+                    meta["link"][label]["measured_all"].append(measured)
+                    if ns is not None and bps is not None:
+                        print(f"link: namespace {ns.name}, loopback shaped with tc tbf to {label}; "
+                              f"bulk TCP transfer measured {measured / 1e6:.0f} Mbit/s "
+                              f"(shared by both directions)", flush=True)
                     else:
-                        failed.append(f"{method}@{label}")
-            finally:
-                if ns is not None:
-                    ns.delete()
+                        print(f"link: {'namespace' if ns else 'host'} loopback, unshaped" +
+                              (f", bulk TCP transfer {measured / 1e9:.1f} Gbit/s" if measured else ""), flush=True)
+                    k = rep % max(1, len(methods))
+                    for method in methods[k:] + methods[:k]:  # rotate the order between repeats
+                        sub = method if len(rates) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"),
+                                                                          method)
+                        run_dir = os.path.join(out, "runs", sub, tag)
+                        desc = METHODS[method].label + ("" if len(rates) == 1 else f" @{label}") + rtag
+                        if run_job(args, method, run_dir, ns, desc):
+                            collect(run_dir, method, label, bps)
+                        else:
+                            failed.append(f"{method}@{label}" + (f"#{rep}" if tag else ""))
+                finally:
+                    if ns is not None:
+                        ns.delete()
     except KeyboardInterrupt:
         print("\ninterrupted: stopped the running job and removed the namespace", file=sys.stderr)
         netns.cleanup_all()
@@ -498,7 +517,12 @@ def _noise_lines(rows) -> List[str]:
         return []
     text = ", ".join(f"{label} {load:.2f}" + (f" (+{steal:.2f} stolen)" if steal and steal > 0.01 else "")
                      for label, load, steal in loads if load is not None)
-    lines = [f"Other processes during training (cores busy outside the ranks, average): {text}."]
+    lines = [f"Other processes during training (cores busy outside the ranks, average; worst run): {text}."]
+    if any(r.get("repeats", 1) > 1 for r in rows):
+        spread = ", ".join(f"{r['label']} {1000 * r['wall_min_s'] / r['updates']:.0f}-"
+                           f"{1000 * r['wall_max_s'] / r['updates']:.0f}" for r in rows)
+        lines.append(f"Timings are medians of {max(r.get('repeats', 1) for r in rows)} interleaved runs; "
+                     f"ms/update range: {spread}.")
     worst = max((x[1] or 0.0) + (x[2] or 0.0) for x in loads)
     if worst > 0.1:
         lines.append(f"WARNING: other work took up to {worst:.2f} cores of this {os.cpu_count()}-core machine during "

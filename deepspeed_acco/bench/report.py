@@ -24,6 +24,10 @@ class RunResult:
     summaries: Dict[int, dict]     # rank -> summary
     val: Dict[int, float] = field(default_factory=dict)  # update -> validation loss
     job: dict = field(default_factory=dict)                # launcher exit code, job seconds, load averages
+    reps: List["RunResult"] = field(default_factory=list)  # repeated runs (--repeat): timings use the median
+
+    def _all(self) -> List["RunResult"]:
+        return [self] + list(self.reps)
 
     @property
     def label(self) -> str:
@@ -38,9 +42,19 @@ class RunResult:
         return max(s["samples"] for s in self.summaries.values())
 
     @property
-    def wall_s(self) -> float:
-        """Training wall-clock: the slowest rank, from the post-initialize barrier to its last update."""
+    def own_wall_s(self) -> float:
+        """This run's training wall-clock: the slowest rank, from the post-initialize barrier to its last update."""
         return max(s["wall_s"] for s in self.summaries.values())
+
+    @property
+    def wall_s(self) -> float:
+        """Training wall-clock; with repeated runs the median over them."""
+        return _median([r.own_wall_s for r in self._all()])
+
+    @property
+    def wall_range(self):
+        walls = [r.own_wall_s for r in self._all()]
+        return min(walls), max(walls)
 
     @property
     def ms_per_update(self) -> float:
@@ -57,29 +71,44 @@ class RunResult:
         return 1000.0 * (b["wall_s"] - a["wall_s"]) / max(b["update"] - a["update"], 1)
 
     @property
-    def comm_wait_s(self) -> Optional[float]:
-        """Mean over ranks of the engine's cumulative communication wait; None where the engine has no counter."""
+    def own_comm_wait_s(self) -> Optional[float]:
         waits = [s.get("comm_wait_s") for s in self.summaries.values()]
         if any(w is None for w in waits) or not waits:
             return None
         return sum(waits) / len(waits)
 
     @property
-    def other_load(self) -> Optional[float]:
-        """Cores used by processes other than this job's ranks during the training, on average (machine
-        busy time minus the ranks' CPU time, over the wall-clock); ~0 on a quiet machine."""
+    def comm_wait_s(self) -> Optional[float]:
+        """Mean over ranks of the engine's cumulative communication wait (median over repeats); None where
+        the engine has no counter."""
+        waits = [r.own_comm_wait_s for r in self._all()]
+        return None if any(w is None for w in waits) else _median(waits)
+
+    @property
+    def own_other_load(self) -> Optional[float]:
         busy = [s.get("machine_busy_s") for s in self.summaries.values()]
         if any(b is None for b in busy) or not busy:
             return None
         own = sum(s.get("cpu_s", 0.0) for s in self.summaries.values())
-        return max(0.0, (sum(busy) / len(busy) - own) / max(self.wall_s, 1e-9))
+        return max(0.0, (sum(busy) / len(busy) - own) / max(self.own_wall_s, 1e-9))
+
+    @property
+    def other_load(self) -> Optional[float]:
+        """Cores used by processes other than this job's ranks during the training, on average (machine
+        busy time minus the ranks' CPU time, over the wall-clock; the worst of repeated runs); ~0 on a
+        quiet machine."""
+        loads = [r.own_other_load for r in self._all()]
+        return None if any(x is None for x in loads) else max(loads)
 
     @property
     def steal_cores(self) -> Optional[float]:
-        steal = [s.get("machine_steal_s") for s in self.summaries.values()]
-        if any(x is None for x in steal) or not steal:
-            return None
-        return (sum(steal) / len(steal)) / max(self.wall_s, 1e-9)
+        out = []
+        for r in self._all():
+            steal = [s.get("machine_steal_s") for s in r.summaries.values()]
+            if any(x is None for x in steal) or not steal:
+                return None
+            out.append((sum(steal) / len(steal)) / max(r.own_wall_s, 1e-9))
+        return max(out)
 
     def final_train_loss(self, frac: float = 0.1) -> float:
         """Mean train loss over the last ``frac`` of the updates, over all ranks."""
@@ -115,6 +144,12 @@ class RunResult:
                 by_update.setdefault(r["update"], []).append(r["loss"])
                 samples[r["update"]] = r["samples"]
         return [(u, samples[u], sum(v) / len(v)) for u, v in sorted(by_update.items())]
+
+
+def _median(values: Sequence[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
 def load_run(run_dir: str, method: str, bandwidth: str = "", bps: Optional[float] = None) -> RunResult:
@@ -170,7 +205,8 @@ def table_rows(results: Sequence[RunResult]) -> List[dict]:
                    snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()),
                    wall_incl_copies_s=max(s.get("wall_incl_copies_s", s["wall_s"]) for s in r.summaries.values()),
                    job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"),
-                   other_load_cores=r.other_load, steal_cores=r.steal_cores,
+                   other_load_cores=r.other_load, steal_cores=r.steal_cores, repeats=1 + len(r.reps),
+                   wall_min_s=r.wall_range[0], wall_max_s=r.wall_range[1],
                    rank_cpu_s=sum(s.get("cpu_s", 0.0) for s in r.summaries.values()))
         out.append(row)
     return out
