@@ -199,6 +199,9 @@ def test_bench_runs_inside_shaped_namespace(tmp_path):
     meta = json.load(open(tmp_path / "results.json"))
     link = meta["link"]["500 Mbit/s"]
     assert "tbf" in link["qdisc"] and 0.8 * 500e6 < link["measured_bps"] < 1.2 * 500e6
+    probe = link["probe"]  # the collectives of one round, timed on the shaped link
+    assert probe["backend"] == "gloo" and 0 < probe["all_gather_s"] and 0 < probe["round_s"] < 10
+    assert "comm probe (gloo" in res.stdout
     cmd = open(tmp_path / "runs" / "zero1" / "command.txt").read()
     assert cmd.startswith("ip netns exec acco-")
     assert not [n for n in _our_namespaces() if n.startswith(f"acco-")

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     g.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     g.add_argument("--run-timeout", type=float, default=0, help="seconds per job (0: 120 + 20 x updates)")
+    g.add_argument("--no-comm-probe", action="store_true",
+                   help="skip timing the collectives of one update round on each shaped link")
     g.add_argument("--repeat", type=int, default=1,
                    help="run every job N times, interleaved (rotating the order), and report median timings")
     g = p.add_argument_group("output")
@@ -314,9 +316,9 @@ def main(argv=None) -> int:
             print(f"NOTE: this checkout has no deepspeed_acco engine (deepspeed_acco/runtime) yet; skipping "
                   f"{', '.join(METHODS[m].label for m in ours)}.", flush=True)
             methods = [m for m in methods if not METHODS[m].ours]
-    if "acco" in methods and args.grad_accum % 2:
+    if "acco" in methods and args.grad_accum % 2 and not (args.slow_rank and not args.no_dynamic_accumulation):
         raise SystemExit(f"ACCO splits each update's micro-batches in two halves: --grad-accum must be even "
-                         f"(got {args.grad_accum})")
+                         f"(got {args.grad_accum}) unless it runs with dynamic accumulation (--slow-rank)")
     if args.slow_rank:
         from .train import parse_slow_rank
         try:
@@ -404,6 +406,17 @@ def main(argv=None) -> int:
                     else:
                         print(f"link: {'namespace' if ns else 'host'} loopback, unshaped" +
                               (f", bulk TCP transfer {measured / 1e9:.1f} Gbit/s" if measured else ""), flush=True)
+                    if ns is not None and bps is not None and not args.no_comm_probe \
+                            and "probe" not in meta["link"][label]:
+                        probe = probe_comm(args, ns, n_params, os.path.join(
+                            out, f"commprobe_{label.replace(' ', '').replace('/', 'p')}.json"))
+                        meta["link"][label]["probe"] = probe
+                        if probe:
+                            print(f"comm probe ({probe['backend']}, {args.world_size} ranks, {n_params / 1e6:.2f}M "
+                                  f"fp32): reduce-scatter + all-gather {1000 * probe['round_s']:.0f} ms, all-reduce "
+                                  f"{1000 * probe['all_reduce_s']:.0f} ms, reduce-scatter "
+                                  f"{1000 * probe['reduce_scatter_s']:.0f} ms, all-gather "
+                                  f"{1000 * probe['all_gather_s']:.0f} ms", flush=True)
                     k = rep % max(1, len(methods))
                     for method in methods[k:] + methods[:k]:  # rotate the order between repeats
                         sub = method if len(rates) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"),
@@ -456,7 +469,8 @@ def finish(args, out, results, failed, meta, link, n_params, rates) -> None:
         measured = link.get(label)
         heading = f"## Link: {label}" + (f" (measured {measured / 1e6:.0f} Mbit/s)" if measured and label != "unshaped" else "")
         table = report.markdown_table(rows)
-        theory = _theory_lines(args, rows, compute, n_params, measured if label != "unshaped" else None)
+        probe = meta["link"].get(label, {}).get("probe")
+        theory = _theory_lines(args, rows, compute, n_params, measured if label != "unshaped" else None, probe)
         theory += _noise_lines(rows)
         md += [heading + "\n", table + "\n", *theory, ""]
         print(f"\n{heading}\n{table}\n" + "\n".join(theory))
@@ -530,8 +544,9 @@ def _noise_lines(rows) -> List[str]:
     return lines
 
 
-def _theory_lines(args, rows, compute, n_params, measured_bps) -> List[str]:
-    """Where the time should go: T_compute measured, T_comm from the measured link rate, each method's bound."""
+def _theory_lines(args, rows, compute, n_params, measured_bps, probe=None) -> List[str]:
+    """Where the time should go: T_compute measured, T_comm from the measured link rate (ideal) and
+    from the collective probe (real), and each method's bound."""
     from . import report
     if compute is None or not measured_bps:
         return []
@@ -541,13 +556,58 @@ def _theory_lines(args, rows, compute, n_params, measured_bps) -> List[str]:
              f"(one reduce-scatter + all-gather of {n_params / 1e6:.2f}M {'bf16' if args.bf16 else 'fp32'} values at "
              f"the measured {measured_bps / 1e6:.0f} Mbit/s, ideal). Bounds: DPU max(T_compute, T_comm), "
              f"ACCO max(T_compute, 2 T_comm), CO2 max(T_compute, T_comm / {args.local_steps}), others T_compute + T_comm."]
+    t_real = None
+    if probe:
+        t_real = probe["round_s"]
+        lines.append(f"Measured with {probe['backend']} over this link: one round (reduce-scatter + all-gather) "
+                     f"{1000 * t_real:.0f} ms = {t_real / t_comm:.2f}x ideal; all-reduce {1000 * probe['all_reduce_s']:.0f} ms, "
+                     f"reduce-scatter {1000 * probe['reduce_scatter_s']:.0f} ms, all-gather "
+                     f"{1000 * probe['all_gather_s']:.0f} ms."
+                     + (" (gloo's reduce-scatter moves as many bytes as an all-reduce.)"
+                        if probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"] else ""))
     for r in rows:
         if r["method"] == "compute":
             continue
         b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps)
-        lines.append(f"- {r['label']}: {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
-                     f"({r['ms_per_update'] / (1000 * b):.2f}x the bound)")
+        line = (f"- {r['label']}: {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
+                f"({r['ms_per_update'] / (1000 * b):.2f}x the bound)")
+        if t_real is not None:
+            # DeepSpeed on gloo: ZeRO-1 all-reduces the gradients then all-gathers, stage 0 only all-reduces.
+            real = {"zero1": probe["all_reduce_s"] + probe["all_gather_s"],
+                    "zero0": probe["all_reduce_s"]}.get(r["method"], t_real)
+            br = report.bound_seconds(r["method"], t_comp, real, args.local_steps)
+            line += f"; {1000 * br:.0f} ms with the measured round ({r['ms_per_update'] / (1000 * br):.2f}x)"
+        lines.append(line)
     return lines
+
+
+def probe_comm(args, ns: Optional[netns.Namespace], n_params: int, out_path: str) -> Optional[dict]:
+    """Run :mod:`.commprobe` as a W-rank job on the link (torchrun); None (with a note) if it fails."""
+    port = 29501 if ns is not None else _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "deepspeed_acco.bench.commprobe",
+           "--numel", str(n_params), "--out", out_path]
+    if ns is not None:
+        cmd = ns.prefix() + cmd
+    env = _child_env(args)
+    if ns is not None:
+        env.update(NCCL_OVER_LOOPBACK)
+    log_path = out_path + ".log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=_package_root())
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            _kill_group(proc)
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        print(f"note: the collective probe failed (see {log_path}); the report uses the ideal link time only",
+              flush=True)
+        return None
+    with open(out_path) as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":
