@@ -1,5 +1,43 @@
 """deepspeed-acco: communication-overlapped sharded optimizers (ACCO, DPU, CO2) for DeepSpeed."""
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+
+def acco_ops_extensions():
+    """Ahead-of-time builds of the fused kernels (docs/kernels.md), the DeepSpeed way.
+
+    DS_BUILD_ACCO_OPS=1 builds every op this machine can build; DS_BUILD_ACCO_CPU_OPS and
+    DS_BUILD_ACCO_CUDA_OPS (1 or 0) require or skip one op. Needs torch and deepspeed at build
+    time: ``DS_BUILD_ACCO_OPS=1 pip install --no-build-isolation .``. Without it the ops are
+    JIT-built on first use.
+    """
+    build_all = os.environ.get("DS_BUILD_ACCO_OPS", "0") == "1"
+    op_vars = ("DS_BUILD_ACCO_CPU_OPS", "DS_BUILD_ACCO_CUDA_OPS")
+    if not build_all and not any(os.environ.get(var) == "1" for var in op_vars):
+        return [], {}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from torch.utils.cpp_extension import BuildExtension
+
+    from deepspeed_acco.op_builder import ALL_OPS
+
+    extensions = []
+    for builder_class in ALL_OPS.values():
+        requested = os.environ.get(builder_class.BUILD_VAR, "1" if build_all else "0")
+        if requested != "1":
+            continue
+        builder = builder_class()
+        if builder.is_compatible(verbose=False):
+            extensions.append(builder.builder())
+        elif os.environ.get(builder_class.BUILD_VAR) == "1":
+            raise RuntimeError(f"{builder_class.BUILD_VAR}=1 but {builder.NAME} cannot be built: {builder.error_log}")
+        else:
+            print(f"deepspeed-acco: skipping {builder.NAME}: {builder.error_log}")
+    return extensions, {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = acco_ops_extensions()
 
 setup(
     name="deepspeed-acco",
@@ -17,4 +55,6 @@ setup(
         "test": ["pytest", "transformers>=4.40", "matplotlib", "tqdm", "ninja"],
     },
     entry_points={"console_scripts": ["deepspeed-acco-bench=deepspeed_acco.bench:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

@@ -179,3 +179,44 @@ def test_deepspeed_lr_scheduler_steps_once_per_committed_update():
     assert len(set(by_step.values())) >= 4, "the schedule did not change the learning rate"
     assert max(by_step) == 7  # 16 micro-batches = 8 updates, the last still in flight
     assert result["samples"] == 16 * 4 * 2
+
+
+def _communication_dtype_worker(rank, world_size):
+    import logging
+
+    import deepspeed_acco
+    messages = []
+
+    class Records(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("deepspeed_acco").addHandler(Records())
+    logging.getLogger("deepspeed_acco").setLevel(logging.INFO)
+    results = {}
+    for dtype in ("fp32", "bf16"):
+        model = TinyNet(seed=0)
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 4,
+                  "wall_clock_breakdown": True, "communication_data_type": dtype,
+                  "optimizer": {"type": "ACCO", "params": {"lr": 1e-2}}}
+        engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
+        assert engine.optimizer.flats[0].job_grad.dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32)
+        for index in range(24):
+            x, y = batch(rank, index)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        with engine.committed_parameters():
+            results[dtype] = flat_trainable(model)
+        engine.destroy()
+    results["messages"] = messages
+    return results
+
+
+@pytest.mark.slow
+def test_bf16_gradient_communication_and_wall_clock_breakdown():
+    result = run_distributed(_communication_dtype_worker, 2)[0]
+    difference = (result["fp32"] - result["bf16"]).abs().max().item()
+    assert 0 < difference < 5e-3, f"bf16 reduce-scatter should only round the gradients, got {difference}"
+    breakdown = [message for message in result["messages"] if "wait per round" in message]
+    assert breakdown, "wall_clock_breakdown must report the wait per round"
+    assert "reduce_scatter" in breakdown[-1] and "all_gather" in breakdown[-1]

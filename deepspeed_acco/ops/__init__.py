@@ -2,21 +2,35 @@
 
 Each public function validates its arguments and dispatches to one backend with the same
 signature: the pure-torch reference (:mod:`.reference`, which defines the semantics) or a fused
-kernel. ``backend()`` names the backend in use.
+kernel for the tensors' device (C++/OpenMP for CPU tensors, CUDA for CUDA tensors), built on
+first use. ``backend()`` names the backend in use; ``DEEPSPEED_ACCO_KERNELS=torch|cpu|cuda``
+forces one (see :mod:`._backend`, and docs/kernels.md).
 """
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from . import reference
+from . import _backend, reference
 
 _STATE_DTYPE = torch.float32
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def backend() -> str:
-    """Name of the backend the update functions dispatch to: ``"cpu"``, ``"cuda"`` or ``"torch"``."""
-    return "torch"
+def backend(device: Union[str, torch.device, None] = None) -> str:
+    """Name of the backend the update functions dispatch to: ``"cpu"``, ``"cuda"`` or ``"torch"``.
+
+    Answers for tensors on ``device``; by default for the device training would use (the forced
+    backend's, else CUDA when available, else CPU). May build the kernels (first use).
+    """
+    if device is None:
+        choice = _backend.forced()
+        if choice in _backend.KERNEL_DEVICE_TYPES:
+            device_type = choice
+        else:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device_type = torch.device(device).type
+    return device_type if _backend.kernel_module(device_type) is not None else "torch"
 
 
 def _check_flat(name: str, tensor: torch.Tensor, numel: int, device: torch.device, dtypes=(_STATE_DTYPE, )) -> None:
@@ -57,8 +71,13 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     length) is given, the new parameters are also written there in its dtype.
     """
     _check_adamw_args(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps)
-    reference.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay, out=out)
+    kernels = _backend.kernel_module(param.device.type)
+    if kernels is None:
+        reference.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                             weight_decay=weight_decay, out=out)
+    else:
+        kernels.adamw_step(param, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(beta1), float(beta2),
+                           float(eps), float(weight_decay))
 
 
 def adamw_peek(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -68,8 +87,13 @@ def adamw_peek(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     if out is None:
         raise ValueError("adamw_peek needs an out tensor to write the estimated parameters to")
     _check_adamw_args(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps)
-    reference.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay, out=out)
+    kernels = _backend.kernel_module(param.device.type)
+    if kernels is None:
+        reference.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                             weight_decay=weight_decay, out=out)
+    else:
+        kernels.adamw_peek(param, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(beta1), float(beta2),
+                           float(eps), float(weight_decay))
 
 
 def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: torch.Tensor,
@@ -86,8 +110,15 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
         raise ValueError(f"penalty must be > 0, got {penalty}")
     if clip_threshold is not None and clip_threshold <= 0.0:
         raise ValueError(f"clip_threshold must be > 0 or None, got {clip_threshold}")
-    reference.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=outer_lr,
-                             outer_momentum=outer_momentum, penalty=penalty, clip_threshold=clip_threshold, out=out)
+    kernels = _backend.kernel_module(anchor.device.type)
+    if kernels is None:
+        reference.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=outer_lr,
+                                 outer_momentum=outer_momentum, penalty=penalty, clip_threshold=clip_threshold,
+                                 out=out)
+    else:
+        kernels.co2_outer_step(prev_anchor, anchor, momentum, mean_params, out, float(outer_lr),
+                               float(outer_momentum), float(penalty),
+                               None if clip_threshold is None else float(clip_threshold))
 
 
 __all__ = ["adamw_step", "adamw_peek", "co2_outer_step", "backend", "reference"]

@@ -27,7 +27,7 @@ import torch
 from .. import ops
 from .comm import Communicator, Pipeline
 from .flat import FlatParamGroup
-from .jobs import AdamWJob, JobKind, ShardState, hyperparameters_of
+from .jobs import JobKind, ShardState
 from .schedule import Phase, Schedule, ScheduleSettings
 
 ADAPTIVE = "adaptive"
@@ -85,8 +85,9 @@ class CO2OuterJob:
     outer_momentum: float
     gap_penalty: Union[float, str]
     clip_threshold: Optional[float]
-    local_displacement: float
-    """||y^i_k - x_k|| of this rank's replica, measured on the training thread at the boundary."""
+    local_displacement_sq: Optional[torch.Tensor]
+    """||y^i_k - x_k||^2 of this rank's replica (a 0-dim tensor computed at the boundary without a
+    host sync), or None for a constant penalty."""
 
     def __call__(self) -> OuterResult:
         timings = {}
@@ -99,7 +100,8 @@ class CO2OuterJob:
         world_size, rank = self.communicator.world_size, self.communicator.rank
         # [displacement of each rank (one-hot), squared anchor move, non-finite count], summed.
         statistics = torch.zeros(world_size + 2, dtype=torch.float64, device=self.states[0].anchor.device)
-        statistics[rank] = self.local_displacement
+        if self.local_displacement_sq is not None:
+            statistics[rank] = self.local_displacement_sq.double().sqrt()
         anchor_move_sq = sum(float(torch.linalg.vector_norm(s.anchor - s.prev_anchor))**2 for s in self.states)
         nonfinite = sum(float((~torch.isfinite(s.mean)).sum()) for s in self.states)
         statistics[world_size] = anchor_move_sq
@@ -143,7 +145,7 @@ class CO2OuterJob:
 class CO2Schedule(Schedule):
     """Inner AdamW steps on the training thread; the outer averaging job overlapped with a round."""
 
-    phase = Phase.LOCAL
+    initial_phase = Phase.LOCAL
 
     def __init__(self, flats: List[FlatParamGroup], shards: List[ShardState], communicator: Communicator,
                  pipeline: Pipeline, settings: ScheduleSettings, *, outer_communicator: Communicator, local_steps: int,
@@ -156,13 +158,24 @@ class CO2Schedule(Schedule):
         self.outer_momentum = outer_momentum
         self.gap_penalty = gap_penalty
         self.clip_threshold = clip_threshold
-        self.outers = [OuterState(flat, outer_communicator.world_size, outer_communicator.rank, communication_dtype,
-                                  adaptive=gap_penalty == ADAPTIVE) for flat in flats]
+        self._communication_dtype = communication_dtype
+        self.outers = self._fresh_outer_states()
         self.inner_steps_in_round = 0
         self.outer_rounds = 0
         """Outer boundaries passed (k after boundary k - 1)."""
         self.outer_skips = 0
         self.last_outer: Optional[OuterResult] = None
+
+    def _fresh_outer_states(self) -> List[OuterState]:
+        return [OuterState(flat, self.outer_communicator.world_size, self.outer_communicator.rank,
+                           self._communication_dtype, adaptive=self.gap_penalty == ADAPTIVE) for flat in self.flats]
+
+    def reset(self) -> None:
+        """Start CO2 afresh from the weights the model holds: x_0 = x_1 = them, m = 0."""
+        super().reset()
+        self.outers = self._fresh_outer_states()
+        self.inner_steps_in_round = 0
+        self.outer_rounds = 0
 
     def boundary(self) -> None:
         self._inner_step()
@@ -173,13 +186,7 @@ class CO2Schedule(Schedule):
 
     def _inner_step(self) -> None:
         """One AdamW step of this replica (ZeRO-1 within the group), synchronous on this thread."""
-        for flat in self.flats:
-            flat.hand_over_grads()
-        job = AdamWJob(kind=JobKind.COMMIT, flats=self.flats, states=self.shards, communicator=self.communicator,
-                       step=self._applied_steps() + 1,
-                       hyperparameters=[hyperparameters_of(flat.param_group) for flat in self.flats],
-                       local_micro_batches=self.round_micro_batches, loss_scale=self._loss_scale(),
-                       gradient_clipping=self.settings.gradient_clipping)
+        job = self._make_job(JobKind.COMMIT)
         with torch.no_grad():
             result = job()
         self._on_commit(result)
@@ -189,12 +196,13 @@ class CO2Schedule(Schedule):
         if outer is not None:
             self.last_outer = outer
             self.outer_skips += int(outer.skipped)
-        displacement_sq = 0.0
+        displacement_sq = None
         with torch.no_grad():
             for flat, state, shard in zip(self.flats, self.outers, self.shards):
                 if state.round_start is not None:
-                    displacement_sq += float(torch.linalg.vector_norm(
-                        flat.unpadded(flat.model_flat).float() - flat.unpadded(state.round_start).float()))**2
+                    difference = flat.unpadded(flat.model_flat).float() - flat.unpadded(state.round_start).float()
+                    part = torch.linalg.vector_norm(difference).square()
+                    displacement_sq = part if displacement_sq is None else displacement_sq + part
                 state.local_params.copy_(flat.model_flat)  # y_k, handed to J_k
                 flat.install(state.gather)  # x_{k+1}
                 shard.master.copy_(flat.shard_of(flat.model_flat))  # the inner master restarts there too
@@ -202,7 +210,7 @@ class CO2Schedule(Schedule):
                     state.round_start.copy_(state.gather)
         job = CO2OuterJob(states=self.outers, communicator=self.outer_communicator, outer_lr=self.outer_lr,
                           outer_momentum=self.outer_momentum, gap_penalty=self.gap_penalty,
-                          clip_threshold=self.clip_threshold, local_displacement=math.sqrt(displacement_sq))
+                          clip_threshold=self.clip_threshold, local_displacement_sq=displacement_sq)
         work = self.pipeline.submit(job, label=f"CO2 outer averaging of round {self.outer_rounds}")
         if not self.settings.overlap:
             self._timed_wait(work)

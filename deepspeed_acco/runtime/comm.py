@@ -81,6 +81,20 @@ class Work:
         return self._result
 
 
+class CompletedWork:
+    """A job that already finished, e.g. the pending job of a loaded checkpoint."""
+
+    def __init__(self, label: str, result: Any):
+        self.label = label
+        self._result = result
+
+    def is_done(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._result
+
+
 class Communicator:
     """Collectives on one dedicated process group, labelled and tracked for hang reports.
 
@@ -208,10 +222,18 @@ class Pipeline:
                     f"{communicator.current_collective} on process group {communicator.name!r} has not completed "
                     f"after {now - started:.0f} s (timeout {self.timeout_s:.0f} s); a peer rank is probably dead")
 
-    def close(self, join_timeout_s: float = 0.0) -> None:
-        """Stop the worker after the queued jobs; optionally wait for it (never for a hung collective)."""
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, join_timeout_s: float = 0.0) -> bool:
+        """Stop the worker after the queued jobs; optionally wait for it (never for a hung collective).
+
+        Returns True if the worker has exited.
+        """
         if not self._closed:
             self._closed = True
             self._queue.put(None)
         if join_timeout_s > 0:
             self._thread.join(join_timeout_s)
+        return not self._thread.is_alive()

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import logging
 import os
+import sys
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -31,10 +32,19 @@ _RECENT_COMMITS = 1024
 _SCHEDULES = {ShardedAdamW: ShardedAdamWSchedule, DPU: DPUSchedule, ACCO: ACCOSchedule}
 
 
-def _log_rank0(message: str) -> None:
+def _configure_logger() -> None:
+    """Give our logger a stdout handler (as DeepSpeed does for its own) unless the user configured one."""
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[deepspeed_acco] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _log_rank0(message: str, level: int = logging.INFO) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info(message)
-        print(f"[deepspeed_acco] {message}", flush=True)
+        logger.log(level, message)
 
 
 class AccoEngine(torch.nn.Module):
@@ -43,6 +53,7 @@ class AccoEngine(torch.nn.Module):
     def __init__(self, *, model: torch.nn.Module, param_groups: List[Dict], config: AccoConfig,
                  lr_scheduler: Any = None, training_data=None, collate_fn=None, device: torch.device):
         super().__init__()
+        _configure_logger()
         self.config = config
         self._config = config.raw
         self.module = model
@@ -76,6 +87,7 @@ class AccoEngine(torch.nn.Module):
         self.communicator = new_communicator(list(range(self.world_size)), options.communication_timeout_s,
                                              name="acco-jobs")
         self.pipeline = Pipeline(self.global_rank, device, [self.communicator], options.communication_timeout_s)
+        self._communicators = [self.communicator]
         batch = config.batch
         nominal = batch.gradient_accumulation_steps
         if config.optimizer_type == ACCO:
@@ -88,6 +100,7 @@ class AccoEngine(torch.nn.Module):
         if config.optimizer_type == CO2:
             group_size = options.group_size
             inner = self._group_communicator(group_size, options.communication_timeout_s)
+            self._communicators.append(inner)
             self.optimizer = ShardedOptimizer(param_groups, defaults, world_size=group_size,
                                               rank=self.global_rank % group_size,
                                               communication_dtype=communication_dtype, synchronous=True,
@@ -149,6 +162,12 @@ class AccoEngine(torch.nn.Module):
         options = self.config.fp16_loss_scale
         if options["loss_scale"] > 0:
             return LossScaler(scale=options["loss_scale"])
+        # DeepSpeed's dynamic scaler logs overflows through deepspeed.comm, which must then wrap
+        # our process group. Only here: on CPU its shared-memory op makes about one exit in ten
+        # abort (measured with a bare two-rank gloo job: 2-3 of 20 with it, 0 of 20 without).
+        import deepspeed.comm
+        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False,
+                                        dist_init_required=False)
         return DynamicLossScaler(init_scale=2**options["initial_scale_power"], scale_window=options["loss_scale_window"],
                                  min_scale=options["min_loss_scale"], delayed_shift=options["hysteresis"],
                                  consecutive_hysteresis=False, raise_error_at_min_scale=False)
@@ -293,7 +312,13 @@ class AccoEngine(torch.nn.Module):
             except Exception as error:  # already failing: report, but let shutdown proceed
                 self._failure = error
                 logger.warning("communication job failed during shutdown: %s", error)
-        self.pipeline.close(join_timeout_s=0.0 if self._failure is not None else 10.0)
+        stopped = self.pipeline.close(join_timeout_s=0.0 if self._failure is not None else 10.0)
+        if stopped and self._failure is None:
+            # Release our process groups while the interpreter is intact: a gloo group that a
+            # thread used and that is left to interpreter finalisation can abort the process.
+            for group in {id(c.group): c.group for c in self._communicators if c.group is not None}.values():
+                dist.destroy_process_group(group)
+            self._communicators = []
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
@@ -311,6 +336,8 @@ class AccoEngine(torch.nn.Module):
 
     # ---- internals -------------------------------------------------------------------------
     def _check_healthy(self) -> None:
+        if self.pipeline.closed:
+            raise RuntimeError("the engine was destroyed (engine.destroy() or interpreter exit); create a new one")
         if self._failure is not None:
             raise RuntimeError("the engine's communication pipeline failed earlier; restart from a checkpoint") \
                 from self._failure
@@ -327,7 +354,8 @@ class AccoEngine(torch.nn.Module):
         if result.skipped:
             self.skipped_steps += 1
             _log_rank0(f"step {self.global_steps}: non-finite gradient (norm {result.grad_norm}); update skipped on "
-                       f"every rank, optimizer state untouched (skipped so far: {self.skipped_steps})")
+                       f"every rank, optimizer state untouched (skipped so far: {self.skipped_steps})",
+                       logging.WARNING)
         else:
             self.optimizer.applied_steps += 1
             self._step_applied = True

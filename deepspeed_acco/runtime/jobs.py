@@ -89,6 +89,7 @@ class AdamWJob:
 
     def __call__(self) -> JobResult:
         timings = {}
+        cpu_start = time.thread_time()
         start = time.perf_counter()
         for flat, state in zip(self.flats, self.states):
             self.communicator.reduce_scatter(state.reduced, flat.job_grad)
@@ -141,6 +142,8 @@ class AdamWJob:
             target = flat.gather_target()
             self.communicator.all_gather(target, flat.shard_of(target))
         timings["all_gather"] = time.perf_counter() - start
+        # CPU time of this thread: on a CPU cluster it is taken from the model's compute.
+        timings["worker_cpu"] = time.thread_time() - cpu_start
         return JobResult(kind=self.kind, skipped=skipped, local_micro_batches=self.local_micro_batches,
                          global_micro_batches=micro_batches, grad_norm=grad_norm, timings_s=timings)
 

@@ -66,7 +66,7 @@ class Schedule(abc.ABC):
     the hyperparameters the next job captures.
     """
 
-    phase: Phase
+    initial_phase: Phase
 
     def __init__(self, flats: List[FlatParamGroup], shards: List[ShardState], communicator: Communicator,
                  pipeline: Pipeline, settings: ScheduleSettings, applied_steps: Callable[[], int],
@@ -79,6 +79,7 @@ class Schedule(abc.ABC):
         self._applied_steps = applied_steps
         self._on_commit = on_commit
         self._loss_scale = loss_scale
+        self.phase = self.initial_phase
         self.round_micro_batches = 0
         self.running: Optional[Work] = None
         self.running_kind: Optional[JobKind] = None
@@ -146,16 +147,19 @@ class Schedule(abc.ABC):
         self.last_result = result
         return result
 
-    def _launch(self, kind: JobKind, *, keep_first_half: bool = False, first_half_micro_batches: int = 0,
-                synchronous: bool = False) -> Work:
+    def _make_job(self, kind: JobKind, **options) -> AdamWJob:
+        """Hand the round's gradients over and capture everything the job needs, now."""
         for flat in self.flats:
             flat.hand_over_grads()
-        job = AdamWJob(kind=kind, flats=self.flats, states=self.shards, communicator=self.communicator,
-                       step=self._applied_steps() + 1,
-                       hyperparameters=[hyperparameters_of(flat.param_group) for flat in self.flats],
-                       local_micro_batches=self.round_micro_batches, loss_scale=self._loss_scale(),
-                       gradient_clipping=self.settings.gradient_clipping, keep_first_half=keep_first_half,
-                       first_half_micro_batches=first_half_micro_batches)
+        return AdamWJob(kind=kind, flats=self.flats, states=self.shards, communicator=self.communicator,
+                        step=self._applied_steps() + 1,
+                        hyperparameters=[hyperparameters_of(flat.param_group) for flat in self.flats],
+                        local_micro_batches=self.round_micro_batches, loss_scale=self._loss_scale(),
+                        gradient_clipping=self.settings.gradient_clipping, **options)
+
+    def _launch(self, kind: JobKind, *, keep_first_half: bool = False, first_half_micro_batches: int = 0,
+                synchronous: bool = False) -> Work:
+        job = self._make_job(kind, keep_first_half=keep_first_half, first_half_micro_batches=first_half_micro_batches)
         work = self.pipeline.submit(job, label=f"{kind.value} of update {job.step}")
         if synchronous or not self.settings.overlap:
             # Same math, no overlap: the job completes now; its result is still installed at
@@ -169,15 +173,21 @@ class Schedule(abc.ABC):
         for flat in self.flats:
             flat.install(flat.gather)
 
-    # ---- checkpoint support ----------------------------------------------------------------
-    def state_dict(self) -> Dict:
-        return {"phase": self.phase.value, "running_kind": self.running_kind.value if self.running_kind else None}
+    def reset(self) -> None:
+        """Forget the round in progress and any job result: start afresh from the committed state."""
+        self.drain()
+        self.phase = self.initial_phase
+        self.round_micro_batches = 0
+        self.running = None
+        self.running_kind = None
+        for flat in self.flats:
+            flat.grad_accum.zero_()
 
 
 class ShardedAdamWSchedule(Schedule):
     """Synchronous ZeRO-1 (DESIGN 3.1): one job per update, waited immediately, gathered in place."""
 
-    phase = Phase.SYNC
+    initial_phase = Phase.SYNC
 
     def boundary(self) -> None:
         self._launch(JobKind.COMMIT, synchronous=True)
@@ -187,7 +197,7 @@ class ShardedAdamWSchedule(Schedule):
 class DPUSchedule(Schedule):
     """Delayed parameter update (DESIGN 3.2): round t computes at theta_{t-1} while theta_t is committed."""
 
-    phase = Phase.DELAYED
+    initial_phase = Phase.DELAYED
 
     def boundary(self) -> None:
         result = self._wait_running()
@@ -200,9 +210,10 @@ class DPUSchedule(Schedule):
 class ACCOSchedule(Schedule):
     """ACCO (DESIGN 3.3, 3.4): two rounds per update, estimate then commit."""
 
+    initial_phase = Phase.FIRST_HALF
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.phase = Phase.FIRST_HALF
         self.first_half_micro_batches = 0
         """Global micro-batch count of the first half of the update being committed."""
 
@@ -220,8 +231,3 @@ class ACCOSchedule(Schedule):
             self.first_half_micro_batches = estimate.global_micro_batches
             self._launch(JobKind.COMMIT, first_half_micro_batches=self.first_half_micro_batches)
             self.phase = Phase.FIRST_HALF
-
-    def state_dict(self) -> Dict:
-        state = super().state_dict()
-        state["first_half_micro_batches"] = self.first_half_micro_batches
-        return state

@@ -1,0 +1,555 @@
+"""Fused kernels (csrc/) against the torch reference, their op builders, and the dispatcher.
+
+The CPU kernels are JIT-built on first use by the op builder (about 15 s from a clean cache on two
+cores); the CUDA kernels are tested when a GPU is visible. Hyperparameters are exaggerated
+(betas 0.1/0.2, eps 0.25, large weight decay) so that a wrong coefficient shows as a large error.
+"""
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import deepspeed_acco.ops as ops
+from deepspeed_acco.ops import _backend, reference
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC = REPO / "csrc"
+
+SIZES = [1, 7, 4097, (1 << 20) + 3]
+OUT_DTYPES = [None, torch.float32, torch.bfloat16]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
+EXAGGERATED = dict(lr=0.1, beta1=0.1, beta2=0.2, eps=0.25, weight_decay=4.0)
+STANDARD = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+RTOL = 1e-6
+
+
+@pytest.fixture
+def kernels(request, monkeypatch):
+    """Forces the fused backend of ``request.param``'s device, so a build failure fails the test."""
+    device = request.param
+    monkeypatch.setenv(_backend.ENV_VAR, device)
+    _backend.reset()
+    assert ops.backend(device) == device
+    yield device
+    _backend.reset()
+
+
+def assert_close_rel(actual, expected, rtol=RTOL):
+    """Elementwise within ``rtol`` of the tensor's magnitude.
+
+    Where theta nearly cancels (theta * decay ~ -update), one ulp of the operands is many ulps of
+    the result, so a pure per-element rtol would flag correct code. torch's own CPU sqrt (MKL)
+    is not correctly rounded, which is where such last-bit differences come from.
+    """
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale)
+
+
+def assert_bitwise(actual, expected):
+    assert actual.dtype == expected.dtype
+    bits = torch.int16 if actual.element_size() == 2 else torch.int32
+    mismatch = (actual.view(bits) != expected.view(bits)).nonzero()
+    assert mismatch.numel() == 0, (f"{mismatch.numel()} elements differ, first at {mismatch[0].item()}: "
+                                   f"{actual[mismatch[0]].item()} vs {expected[mismatch[0]].item()}")
+
+
+def adamw_state(numel, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.randn(numel, generator=gen)
+    exp_avg = torch.randn(numel, generator=gen) * 0.1
+    exp_avg_sq = torch.rand(numel, generator=gen) * 0.1
+    return [t.to(device) for t in (param, exp_avg, exp_avg_sq)]
+
+
+def random_grad(numel, device, seed):
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + seed)).to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# AdamW step
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("numel", SIZES)
+def test_adamw_step_matches_reference(kernels, numel, out_dtype):
+    device = kernels
+    param, exp_avg, exp_avg_sq = adamw_state(numel, device)
+    ref_param, ref_exp_avg, ref_exp_avg_sq = (t.clone() for t in (param, exp_avg, exp_avg_sq))
+    out = None if out_dtype is None else torch.full((numel, ), float("nan"), dtype=out_dtype, device=device)
+    for step in range(1, 4):
+        grad = random_grad(numel, device, step)
+        ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, out=out, **EXAGGERATED)
+        reference.adamw_step(ref_param, grad, ref_exp_avg, ref_exp_avg_sq, step=step, **EXAGGERATED)
+        assert_close_rel(exp_avg, ref_exp_avg)
+        assert_close_rel(exp_avg_sq, ref_exp_avg_sq)
+        assert_close_rel(param, ref_param)
+        if out is not None:
+            # The output is the new parameters, cast exactly as torch casts them.
+            assert_bitwise(out, param.to(out_dtype))
+
+
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+@pytest.mark.parametrize("hyper", [EXAGGERATED, STANDARD], ids=["exaggerated", "standard"])
+def test_adamw_step_matches_torch_adamw(kernels, hyper):
+    device = kernels
+    numel = 4097
+    param, exp_avg, exp_avg_sq = adamw_state(numel, device)
+    exp_avg.zero_()
+    exp_avg_sq.zero_()
+    torch_param = torch.nn.Parameter(param.clone())
+    opt = torch.optim.AdamW([torch_param], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                            weight_decay=hyper["weight_decay"], foreach=False)
+    for step in range(1, 6):
+        grad = random_grad(numel, device, step)
+        torch_param.grad = grad.clone()
+        opt.step()
+        ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, **hyper)
+        state = opt.state[torch_param]
+        assert_close_rel(exp_avg, state["exp_avg"])
+        assert_close_rel(exp_avg_sq, state["exp_avg_sq"])
+        assert_close_rel(param, torch_param.detach())
+
+
+def _adamw_reference_ieee_sqrt(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay):
+    """reference.adamw_step with a correctly rounded sqrt (via float64), the one op it differs in."""
+    param.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    denom = (exp_avg_sq.double().sqrt().float() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="torch's FMA-based CPU kernels (lerp, addcmul) need AVX2 or AVX-512")
+@pytest.mark.parametrize("kernels", ["cpu"], indirect=True)
+@pytest.mark.parametrize("hyper", [EXAGGERATED, STANDARD], ids=["exaggerated", "standard"])
+def test_cpu_adamw_step_is_bitwise_torch_with_ieee_sqrt(kernels, hyper):
+    # Evidence that the CPU kernel reproduces torch's operation order exactly; the only difference
+    # from the reference is torch's (MKL) sqrt, which is not correctly rounded.
+    numel = (1 << 16) + 5
+    param, exp_avg, exp_avg_sq = adamw_state(numel, "cpu")
+    expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    for step in range(1, 4):
+        grad = random_grad(numel, "cpu", step)
+        ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, **hyper)
+        _adamw_reference_ieee_sqrt(expected[0], grad, expected[1], expected[2], step=step, **hyper)
+        for actual, want in zip((param, exp_avg, exp_avg_sq), expected):
+            assert_bitwise(actual, want)
+
+
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+def test_adamw_step_on_unaligned_views(kernels):
+    # Shards that start one float into a buffer: the CUDA kernel must take its scalar path.
+    device = kernels
+    numel = 4099
+    backing = [torch.randn(numel + 1, device=device) for _ in range(4)]
+    param, grad, exp_avg, exp_avg_sq = (t[1:] for t in backing)
+    exp_avg_sq.abs_()
+    expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    out_backing = torch.empty(numel + 1, dtype=torch.bfloat16, device=device)
+    out = out_backing[1:]
+    ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=3, out=out, **EXAGGERATED)
+    reference.adamw_step(expected[0], grad, expected[1], expected[2], step=3, **EXAGGERATED)
+    for actual, want in zip((param, exp_avg, exp_avg_sq), expected):
+        assert_close_rel(actual, want)
+    assert_bitwise(out, param.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_shard_output_on_unaligned_buffer(kernels, out_dtype):
+    # Above 32 MB per call the CPU kernels stream the output with non-temporal stores; an output
+    # view one element into its buffer exercises the unaligned head before the streamed blocks.
+    device = kernels
+    numel = (1 << 21) + 37
+    param, exp_avg, exp_avg_sq = adamw_state(numel, device)
+    grad = random_grad(numel, device, 1)
+    expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    peeked = torch.empty(numel + 1, dtype=out_dtype, device=device)[1:]
+    out = torch.empty(numel + 1, dtype=out_dtype, device=device)[1:]
+    ops.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=2, out=peeked, **EXAGGERATED)
+    ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=2, out=out, **EXAGGERATED)
+    reference.adamw_step(expected[0], grad, expected[1], expected[2], step=2, **EXAGGERATED)
+    for actual, want in zip((param, exp_avg, exp_avg_sq), expected):
+        assert_close_rel(actual, want)
+    assert_bitwise(out, param.to(out_dtype))
+    assert_bitwise(peeked, out)
+
+    prev_anchor, anchor, momentum, mean_params = co2_state(numel, device)
+    expected = [t.clone() for t in (prev_anchor, anchor, momentum)]
+    ops.co2_outer_step(prev_anchor, anchor, momentum, mean_params, clip_threshold=0.2, out=out, **CO2_HYPER)
+    reference.co2_outer_step(*expected, mean_params, clip_threshold=0.2, **CO2_HYPER)
+    for actual, want in zip((prev_anchor, anchor, momentum), expected):
+        assert_close_rel(actual, want)
+    assert_bitwise(out, anchor.to(out_dtype))
+
+
+@pytest.mark.parametrize("kernels", ["cpu"], indirect=True)
+def test_cpu_result_does_not_depend_on_thread_count(kernels):
+    numel = (1 << 20) + 3
+    results = []
+    threads_before = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, threads_before)):
+            torch.set_num_threads(threads)
+            param, exp_avg, exp_avg_sq = adamw_state(numel, "cpu")
+            out = torch.empty(numel, dtype=torch.bfloat16)
+            ops.adamw_step(param, random_grad(numel, "cpu", 1), exp_avg, exp_avg_sq, step=1, out=out, **EXAGGERATED)
+            results.append((param, exp_avg, exp_avg_sq, out))
+    finally:
+        torch.set_num_threads(threads_before)
+    for one, many in zip(*results):
+        assert_bitwise(many, one)
+
+
+# ---------------------------------------------------------------------------------------------
+# AdamW peek
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("numel", SIZES)
+def test_adamw_peek_leaves_state_and_equals_a_real_step(kernels, numel, out_dtype):
+    device = kernels
+    param, exp_avg, exp_avg_sq = adamw_state(numel, device)
+    for step in range(1, 4):
+        grad = random_grad(numel, device, step)
+        before = [t.clone() for t in (param, grad, exp_avg, exp_avg_sq)]
+        peeked = torch.empty(numel, dtype=out_dtype, device=device)
+        ops.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=step, out=peeked, **EXAGGERATED)
+        for actual, want in zip((param, grad, exp_avg, exp_avg_sq), before):
+            assert_bitwise(actual, want)
+        # Peeking again at the same step gives the same estimate: nothing advanced.
+        again = torch.empty_like(peeked)
+        ops.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=step, out=again, **EXAGGERATED)
+        assert_bitwise(again, peeked)
+
+        ref_out = torch.empty(numel, dtype=out_dtype, device=device)
+        reference.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=step, out=ref_out, **EXAGGERATED)
+        if out_dtype == torch.float32:
+            assert_close_rel(peeked, ref_out)
+
+        ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, **EXAGGERATED)
+        assert_bitwise(peeked, param.to(out_dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# CO2 outer step
+# ---------------------------------------------------------------------------------------------
+
+CO2_HYPER = dict(outer_lr=0.7, outer_momentum=0.5, penalty=3.0)
+
+
+def co2_state(numel, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen).to(device) for _ in range(4)]
+
+
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("clip_threshold", [None, 0.2], ids=["noclip", "clip"])
+@pytest.mark.parametrize("numel", SIZES)
+def test_co2_outer_step_matches_reference(kernels, numel, clip_threshold, out_dtype):
+    device = kernels
+    prev_anchor, anchor, momentum, mean_params = co2_state(numel, device)
+    expected = [t.clone() for t in (prev_anchor, anchor, momentum)]
+    out = None if out_dtype is None else torch.empty(numel, dtype=out_dtype, device=device)
+    for _ in range(3):
+        mean_params.add_(0.3)
+        ops.co2_outer_step(prev_anchor, anchor, momentum, mean_params, clip_threshold=clip_threshold, out=out,
+                           **CO2_HYPER)
+        reference.co2_outer_step(*expected, mean_params, clip_threshold=clip_threshold, **CO2_HYPER)
+        for actual, want in zip((prev_anchor, anchor, momentum), expected):
+            assert_close_rel(actual, want)
+        if out is not None:
+            assert_bitwise(out, anchor.to(out_dtype))
+
+
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+def test_co2_clip_actually_clips(kernels):
+    # An out-of-place clamp (momentum.clamp(...) with the result dropped) leaves |momentum| ~ 30.
+    device = kernels
+    numel = 4097
+    clip = 0.01
+    prev_anchor = torch.zeros(numel, device=device)
+    anchor = torch.ones(numel, device=device)
+    momentum = torch.zeros(numel, device=device)
+    mean_params = torch.full((numel, ), -90.0, device=device)
+    mean_params[::2] = 90.0
+    mean_params[5] = 0.0  # pseudo-gradient 0: stays 0, inside the clip range
+    ops.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=1.0, outer_momentum=0.9, penalty=3.0,
+                       clip_threshold=clip)
+    assert momentum.abs().max().item() <= clip
+    expected = torch.where(mean_params > 0, -clip, clip)
+    expected[5] = 0.0
+    assert_bitwise(momentum, expected)
+    assert_bitwise(anchor, 1.0 - expected)
+    assert_bitwise(prev_anchor, torch.ones(numel, device=device))
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def special_floats(device):
+    bits = [
+        0x3F808000,  # tie between two bf16 values, even neighbour below
+        0x3F818000,  # tie, even neighbour above
+        0x3F808001,  # just above a tie
+        0x3F807FFF,  # just below a tie
+        0x7F7FFFFF,  # largest float: rounds to inf
+        0x00000001,  # smallest denormal
+        0x807FFFFF,  # largest negative denormal
+        0x80000000,  # -0.0
+        0x7F800000,  # inf
+        0xFF800000,  # -inf
+        0x7FC00000,  # quiet NaN
+        0x7F800001,  # signalling NaN payload
+        0xFFC12345,  # negative NaN with payload
+    ]
+    values = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return torch.cat([values, torch.randn(50)]).to(device)
+
+
+@pytest.mark.parametrize("kernels", DEVICES, indirect=True)
+def test_bf16_output_rounds_like_torch(kernels):
+    device = kernels
+    param = special_floats(device)
+    numel = param.numel()
+    grad = torch.ones(numel, device=device)
+    exp_avg = torch.zeros(numel, device=device)
+    exp_avg_sq = torch.zeros(numel, device=device)
+    out = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    # lr = 0 leaves every finite theta as is, so the special values reach the cast unchanged.
+    ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=1, out=out, lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8,
+                   weight_decay=0.0)
+    expected = param.to(torch.bfloat16)
+    nan = torch.isnan(param)
+    assert torch.isnan(out[nan].float()).all()
+    assert_bitwise(out[~nan], expected[~nan])
+    if device == "cuda" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        # torch's vectorised casts map every NaN to one pattern (0xFFFF on CPU, 0x7FFF on CUDA).
+        assert_bitwise(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: streams
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernels", ["cuda"], indirect=True)
+def test_cuda_kernels_run_on_the_current_stream(kernels):
+    numel = 1 << 20
+    param, exp_avg, exp_avg_sq = adamw_state(numel, "cuda")
+    grad = random_grad(numel, "cuda", 1)
+    before = param.clone()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    done = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy for ~0.1 s
+        ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=1, **EXAGGERATED)
+        done.record()
+    # Had the kernel gone to the default stream, it would have run already.
+    snapshot = param.clone()
+    torch.cuda.current_stream().synchronize()
+    assert not done.query(), "the side stream finished too early for this test to tell"
+    assert_bitwise(snapshot, before)
+    side.synchronize()
+    assert not torch.equal(param, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatcher
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_backend(monkeypatch):
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    _backend.reset()
+    yield monkeypatch
+    _backend.reset()
+
+
+def test_forced_torch_backend_uses_the_reference(fresh_backend):
+    fresh_backend.setenv(_backend.ENV_VAR, "torch")
+    assert ops.backend() == "torch"
+    assert ops.backend("cpu") == "torch"
+
+
+def test_unknown_backend_name_is_a_value_error(fresh_backend):
+    fresh_backend.setenv(_backend.ENV_VAR, "gpu")
+    with pytest.raises(ValueError, match="DEEPSPEED_ACCO_KERNELS"):
+        ops.backend()
+
+
+def test_forced_backend_refuses_tensors_of_another_device(fresh_backend):
+    fresh_backend.setenv(_backend.ENV_VAR, "cuda")
+    param = torch.zeros(4)
+    with pytest.raises(ValueError, match="cannot update cpu tensors"):
+        ops.adamw_step(param, param.clone(), param.clone(), param.clone(), step=1, **STANDARD)
+
+
+def test_auto_backend_builds_the_cpu_kernels(fresh_backend):
+    assert ops.backend("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        assert ops.backend() == "cpu"
+
+
+def test_unavailable_kernels_fall_back_with_one_warning(fresh_backend, caplog):
+
+    def no_compiler(device_type):
+        raise RuntimeError("acco_cpu_ops needs a C++ compiler: 'c++' was not found on PATH")
+
+    fresh_backend.setattr(_backend, "_load", no_compiler)
+    numel = 33
+    param, exp_avg, exp_avg_sq = adamw_state(numel, "cpu")
+    expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    with caplog.at_level(logging.WARNING, logger="deepspeed_acco.ops"):
+        for step in (1, 2):
+            grad = random_grad(numel, "cpu", step)
+            ops.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, **EXAGGERATED)
+            reference.adamw_step(expected[0], grad, expected[1], expected[2], step=step, **EXAGGERATED)
+        assert ops.backend("cpu") == "torch"
+    warnings = [r for r in caplog.records if r.name == "deepspeed_acco.ops"]
+    assert len(warnings) == 1 and "C++ compiler" in warnings[0].getMessage()
+    for actual, want in zip((param, exp_avg, exp_avg_sq), expected):
+        assert_bitwise(actual, want)
+
+
+def test_forced_backend_raises_when_it_cannot_build(fresh_backend):
+    fresh_backend.setenv(_backend.ENV_VAR, "cpu")
+
+    def broken(device_type):
+        raise RuntimeError("compiler exploded")
+
+    fresh_backend.setattr(_backend, "_load", broken)
+    with pytest.raises(RuntimeError, match="compiler exploded"):
+        ops.backend("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Op builders and build checks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_builders_follow_the_deepspeed_pattern():
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
+
+    from deepspeed_acco.op_builder import ALL_OPS, AccoCPUOpsBuilder, AccoCUDAOpsBuilder
+
+    assert issubclass(AccoCPUOpsBuilder, OpBuilder) and issubclass(AccoCUDAOpsBuilder, CUDAOpBuilder)
+    for name, builder_class in ALL_OPS.items():
+        builder = builder_class()
+        assert name.startswith("acco_") and builder.name == name
+        assert builder.absolute_name() == f"deepspeed_acco.ops.{name}_op"
+        assert builder_class.BUILD_VAR.startswith("DS_BUILD_ACCO_")
+        for path in builder.sources() + builder.include_paths():
+            assert os.path.isabs(path) and os.path.exists(path), path
+
+
+def test_cpu_builder_explains_a_missing_compiler(monkeypatch):
+    from deepspeed_acco.op_builder import AccoCPUOpsBuilder
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    builder = AccoCPUOpsBuilder()
+    assert not builder.is_compatible()
+    assert "CXX" in builder.error_log and "/nonexistent/c++" in builder.error_log
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the message on a CPU-only torch")
+def test_cuda_builder_explains_a_cpu_only_torch():
+    from deepspeed_acco.op_builder import AccoCUDAOpsBuilder
+
+    builder = AccoCUDAOpsBuilder()
+    assert not builder.is_compatible()
+    assert "CPU-only" in builder.error_log
+
+
+def test_stale_prebuilt_op_is_not_used(monkeypatch):
+    import importlib
+    import types
+
+    from deepspeed_acco.op_builder import AccoCPUOpsBuilder
+
+    stale = types.ModuleType("deepspeed_acco.ops.acco_cpu_ops_op")
+    stale.source_digest = "d0000000000000000"
+    monkeypatch.setattr(importlib, "import_module", lambda name: stale)
+    builder = AccoCPUOpsBuilder()
+    assert builder._load_prebuilt() is None
+    stale.source_digest = builder.source_digest()
+    assert builder._load_prebuilt() is stale
+
+
+def test_nvcc_compiles_every_cu_file(tmp_path):
+    nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+                                    if os.environ.get("CUDA_HOME") else None)
+    if nvcc is None or not os.path.exists(nvcc):
+        pytest.skip("nvcc not found (not on PATH, no CUDA_HOME): cannot compile-check the .cu files")
+    from deepspeed_acco.op_builder.cuda_ops import TORCH_NVCC_DEFINES
+
+    cu_files = sorted(CSRC.rglob("*.cu"))
+    assert cu_files, "no .cu files found under csrc/"
+    for cu in cu_files:
+        cmd = [nvcc, "-arch=sm_90", "-std=c++17", "-O3", "-I", str(CSRC / "includes"), *TORCH_NVCC_DEFINES, "-c",
+               str(cu), "-o", str(tmp_path / (cu.stem + ".o"))]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
+        assert "warning" not in result.stderr.lower(), result.stderr
+
+
+def test_cpu_kernel_loops_are_vectorised(tmp_path):
+    from deepspeed_acco.op_builder import AccoCPUOpsBuilder
+
+    builder = AccoCPUOpsBuilder()
+    compiler = builder._cxx_compiler()
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler})")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" not in version:
+        pytest.skip("the vectorisation report is read in GCC's -fopt-info format")
+    source = CSRC / "cpu" / "acco_cpu_kernels.cpp"
+    simd_loops = _simd_loop_line_ranges(source.read_text().splitlines())
+    assert len(simd_loops) == 2  # the AdamW loop (step and peek) and the CO2 loop
+    cmd = [compiler, *builder.strip_empty_entries(builder.cxx_args()), "-I", str(CSRC / "includes"),
+           "-fopt-info-vec-optimized", "-c", str(source), "-o", str(tmp_path / "kernels.o")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    vectorised = [int(m.group(1)) for m in re.finditer(r"acco_cpu_kernels\.cpp:(\d+):\d+: optimized: loop vectorized",
+                                                       result.stderr)]
+    for first, last in simd_loops:
+        # GCC reports a vectorised loop at a statement of its body.
+        assert any(first <= line <= last for line in vectorised), \
+            f"loop at lines {first}-{last} not vectorised:\n{result.stderr}"
+
+
+def _simd_loop_line_ranges(lines):
+    """1-based (first, last) line of every loop that follows a `#pragma omp simd`."""
+    ranges = []
+    for index, line in enumerate(lines):
+        if line.strip() != "#pragma omp simd":
+            continue
+        depth, end = 0, index + 1
+        for end in range(index + 1, len(lines)):
+            depth += lines[end].count("{") - lines[end].count("}")
+            if depth == 0 and "}" in lines[end]:
+                break
+        ranges.append((index + 2, end + 1))
+    return ranges
