@@ -188,6 +188,14 @@ def test_bench_smoke_unshaped(tmp_path):
     assert max(abs(a - b) for a, b in zip(z1, z0)) < 1e-3
     meta = json.load(open(tmp_path / "results.json"))
     assert meta["n_params"] == 120192 and meta["table"]
+    # --replot rebuilds the same table from the logs without running anything.
+    before = (tmp_path / "results.md").read_text()
+    (tmp_path / "loss_vs_samples.png").unlink()
+    rep = subprocess.run([sys.executable, "-m", "deepspeed_acco.bench", "--replot", str(tmp_path)], env=_env(),
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stdout[-3000:]
+    assert (tmp_path / "results.md").read_text() == before
+    assert (tmp_path / "loss_vs_samples.png").read_bytes()[:8] == PNG_MAGIC
 
 
 @needs_netns
@@ -243,3 +251,20 @@ def test_ctrl_c_removes_namespace_and_processes(tmp_path):
     assert not [n for n in _our_namespaces() if n.startswith(f"acco-{proc.pid}-")]
     time.sleep(0.5)
     assert _processes_mentioning(str(out)) == []
+
+
+@needs_netns
+def test_orphaned_namespaces_are_removed_and_live_ones_kept():
+    from deepspeed_acco.bench import netns
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid now names no process (pids are not reused this quickly)
+    orphan, live = f"acco-{dead.pid}-0", f"acco-{os.getpid()}-9999"
+    for name in (orphan, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        removed = netns.remove_orphans()
+        assert orphan in removed and live not in removed
+        assert orphan not in _our_namespaces() and live in _our_namespaces()
+    finally:
+        for name in (orphan, live):
+            subprocess.run(["ip", "netns", "del", name], stderr=subprocess.DEVNULL)

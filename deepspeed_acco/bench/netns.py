@@ -134,6 +134,24 @@ def cleanup_all() -> None:
         _created.remove(name)
 
 
+def remove_orphans() -> List[str]:
+    """Delete namespaces named like ours (``acco-<pid>-<n>``) whose creating process is gone.
+
+    A bench killed with SIGKILL cannot clean up; the next bench removes what it left. Namespaces of
+    live processes, and any other name, are never touched. Returns the names removed.
+    """
+    res = subprocess.run(["ip", "netns", "list"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    removed = []
+    for line in res.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = re.fullmatch(r"acco-(\d+)-\d+", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            if subprocess.run(["ip", "netns", "del", name], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL).returncode == 0:
+                removed.append(name)
+    return removed
+
+
 def measure_rate(ns: Optional[Namespace], seconds: float = 1.0, env=None) -> float:
     """Bits/s of a bulk TCP transfer over the loopback inside ``ns`` (one direction, all of the link)."""
     cmd = [sys.executable, "-m", "deepspeed_acco.bench.netns", "measure", "--seconds", str(seconds)]
