@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="", help="output folder (default bench_out/<UTC time>)")
     g.add_argument("--no-progress", action="store_true", help="one line per run instead of progress bars")
     g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--replot", metavar="DIR", default="",
+                   help="rebuild the table, CSVs and plots of an earlier output folder from its logs (runs nothing)")
     return p
 
 
@@ -162,12 +164,23 @@ def _loadavg() -> Optional[float]:
         return None
 
 
+def _busy_cores(seconds: float = 1.0) -> Optional[float]:
+    """Cores the machine is busy with right now (averaged over ``seconds``, from /proc/stat)."""
+    from .train import _system_cpu
+    a = _system_cpu()
+    time.sleep(seconds)
+    b = _system_cpu()
+    if a is None or b is None:
+        return None
+    return (b[0] - a[0] + b[1] - a[1]) / seconds
+
+
 def _busy_warning(args) -> Optional[str]:
     """A warning when other work is running: the bench's own ranks need the cores to themselves."""
-    load, cores = _loadavg(), os.cpu_count() or 1
-    if load is not None and load > 0.5 * cores:
-        return (f"WARNING: the machine is busy before the bench starts (1-minute load average {load:.1f} on {cores} "
-                f"cores); other processes compete with the {args.world_size} ranks, so timings will be noisy.")
+    busy, cores = _busy_cores(), os.cpu_count() or 1
+    if busy is not None and busy > 0.3:
+        return (f"WARNING: other processes keep {busy:.1f} of the {cores} cores busy before the bench starts; they "
+                f"compete with the {args.world_size} ranks, so timings will be noisy (each run reports it below).")
     return None
 
 
@@ -304,8 +317,54 @@ def _install_sigterm():
 # ----------------------------------------------------------------------------------------------
 
 
+def replot(out: str) -> int:
+    """Rebuild results.md, the CSVs and the plots of an earlier run folder from its per-rank logs."""
+    from . import report
+    with open(os.path.join(out, "results.json")) as f:
+        meta = json.load(f)
+    args = argparse.Namespace(**meta["args"])
+    args.no_plots = False
+    methods = resolve_methods(args.methods)
+    rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
+        if args.sweep_bandwidth else [netns.parse_bandwidth(args.bandwidth)]
+    labels = list(meta.get("link", {})) or [netns.format_bandwidth(r) for r in rates]
+    rates = [next((r for r in rates if netns.format_bandwidth(r) == label), None) for label in labels]
+    reps = [""] if max(1, getattr(args, "repeat", 1)) <= 1 else [f"rep{i}" for i in range(args.repeat)]
+    results, failed = [], []
+
+    def collect(sub, method, label, bps):
+        first = None
+        for tag in reps:
+            d = os.path.join(out, "runs", sub, tag)
+            try:
+                r = report.load_run(d, method, label, bps)
+            except FileNotFoundError:
+                failed.append(f"{method}@{label}")
+                continue
+            if first is None:
+                first = r
+                results.append(r)
+            else:
+                first.reps.append(r)
+
+    if not args.no_compute_only:
+        collect("compute", "compute", "no communication", None)
+    for label, bps in zip(labels, rates):
+        for method in methods:
+            if not os.path.isdir(os.path.join(out, "runs", method if len(labels) == 1 else
+                                              os.path.join(label.replace(" ", "").replace("/", "p"), method))):
+                continue
+            sub = method if len(labels) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"), method)
+            collect(sub, method, label, bps)
+    link = {label: v.get("measured_bps") for label, v in meta.get("link", {}).items()}
+    finish(args, out, results, failed, meta, link, meta["n_params"], rates)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replot:
+        return replot(os.path.abspath(args.replot))
     _install_sigterm()
     methods = resolve_methods(args.methods)
     if args.updates < 1 or args.world_size < 1 or args.repeat < 1:
@@ -340,6 +399,11 @@ def main(argv=None) -> int:
         print(f"WARNING: cannot emulate a slow link here ({why}); running UNSHAPED over the host loopback. "
               f"The timings then show compute overheads only, not the network.", flush=True)
         rates = [None]
+    if shaping_ok:
+        orphans = netns.remove_orphans()
+        if orphans:
+            print(f"removed {len(orphans)} namespace(s) left by an earlier bench that was killed: "
+                  f"{', '.join(orphans)}", flush=True)
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = os.path.abspath(args.out or os.path.join("bench_out", stamp))

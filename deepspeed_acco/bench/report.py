@@ -339,7 +339,7 @@ def _smooth(values: Sequence[float], k: int) -> List[float]:
 
 def plot_loss_vs_samples(path: str, results: Sequence[RunResult], title: str) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
     for r in results:
         if r.method == "compute":
             continue
@@ -358,7 +358,7 @@ def plot_loss_vs_samples(path: str, results: Sequence[RunResult], title: str) ->
     ax.set_ylabel("loss (nats/byte)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
