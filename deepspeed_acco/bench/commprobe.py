@@ -1,0 +1,68 @@
+"""Time the collectives of one update round, with the job's backend, over the (shaped) link.
+
+``torchrun --nproc_per_node W -m deepspeed_acco.bench.commprobe --numel P --out FILE`` on every
+rank: times ``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of ``P`` fp32
+values (the model), and a reduce-scatter followed by an all-gather: the communication round of a
+ZeRO-1-style optimizer (ShardedAdamW, DPU, ACCO run one or two per update; DeepSpeed's ZeRO-1 on
+CPU runs an all-reduce plus an all-gather). Rank 0 writes the best of ``--repeats`` timings, in
+seconds, as JSON. The bench runs it once per link so its report can say what one round really
+costs, next to the ideal ``bytes / link rate``.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--numel", type=int, required=True)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    n = args.numel - args.numel % world
+    x = torch.ones(n, device=device)
+    shard = torch.empty(n // world, device=device)
+    full = torch.empty(n, device=device)
+
+    def timed(fn):
+        fn()  # warm-up (connections, buffers)
+        best = float("inf")
+        for _ in range(max(1, args.repeats)):
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    out = dict(backend=dist.get_backend(), world_size=world, numel=n, bytes_per_value=4,
+               all_reduce_s=timed(lambda: dist.all_reduce(x)),
+               reduce_scatter_s=timed(lambda: dist.reduce_scatter_tensor(shard, x)),
+               all_gather_s=timed(lambda: dist.all_gather_into_tensor(full, shard)))
+    out["round_s"] = timed(lambda: (dist.reduce_scatter_tensor(shard, x), dist.all_gather_into_tensor(full, shard)))
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Per-rank training worker of the bench, started by the ``deepspeed`` launcher (or torchrun).
+
+``python -m deepspeed_acco.bench.train --method acco --run-dir DIR ...`` on every rank. It
+
+1. loads the (cached) corpus and builds the GPT-Neo preset from a seeded config;
+2. for a DeepSpeed method, calls ``deepspeed_acco.initialize`` (which delegates DeepSpeed's own
+   optimizer types to ``deepspeed.initialize``); for ``compute`` it trains the same model with plain
+   ``torch.optim.AdamW`` and no collective at all: the compute-only floor, run with the same number
+   of processes started together, so CPU contention is the same;
+3. after a barrier, starts the clock and trains ``--updates`` committed updates, one
+   ``engine(batch)`` / ``engine.backward`` / ``engine.step`` per micro-batch, writing one JSON line
+   per update to ``DIR/rank<R>.jsonl`` (update, samples, wall seconds since the start, mean train
+   loss of the update's micro-batches on this rank, cumulative communication wait, lr);
+4. at a few updates, copies the committed parameters (under ``engine.committed_parameters()``
+   when the engine has it); the copies are evaluated on the held-out windows only after training,
+   so evaluation never competes with it. The clock is paused during each copy: our engines finish
+   their in-flight communication job to produce committed parameters, a stall real training (which
+   evaluates rarely) does not have; the copy time is recorded as ``snapshot_s``;
+5. writes ``DIR/rank<R>.summary.json`` and the validation losses of the copies assigned to it.
+
+Wall-clock excludes process start-up and ``initialize`` (reported separately as ``init_s``).
+"""
+import argparse
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+
+
+def parse_args(argv=None):
+    from .methods import METHODS
+    from .models import DEFAULT_PRESET, PRESETS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--method", required=True, choices=sorted(METHODS))
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--model", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--updates", type=int, default=60)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local-steps", type=int, default=12)
+    p.add_argument("--dynamic-accumulation", action="store_true")
+    p.add_argument("--slow-rank", default="", help="R:F, rank R's compute F times slower")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--data", default=None)
+    p.add_argument("--cache-dir", default="default")
+    p.add_argument("--val-windows", type=int, default=64)
+    p.add_argument("--eval-points", type=int, default=6)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def parse_slow_rank(text: str):
+    """``"R:F"`` -> ``(R, F)``; ``""`` -> ``None``."""
+    if not text:
+        return None
+    try:
+        rank, factor = text.split(":")
+        rank, factor = int(rank), float(factor)
+    except ValueError:
+        raise ValueError(f"--slow-rank takes R:F (rank R, slowdown factor F >= 1), got {text!r}") from None
+    if rank < 0 or factor < 1.0:
+        raise ValueError(f"--slow-rank: need rank >= 0 and factor >= 1, got {text!r}")
+    return rank, factor
+
+
+def eval_updates(updates: int, points: int):
+    """Updates after which the committed parameters are copied for validation (0 = the initial weights)."""
+    points = max(1, int(points))
+    return sorted({round(i * updates / points) for i in range(points + 1)})
+
+
+def initialize_engine(model, config, method):
+    """``deepspeed_acco.initialize`` (the engine under test; it delegates DeepSpeed's own optimizer
+    types to ``deepspeed.initialize``). While this checkout has no engine yet, DeepSpeed's own types
+    go straight to ``deepspeed.initialize``; ours cannot run."""
+    from .methods import engine_available
+    if engine_available():
+        import deepspeed_acco
+        return deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config), True
+    if method.ours:
+        raise RuntimeError(f"{method.label} needs deepspeed_acco's engine (deepspeed_acco.runtime), "
+                           "which this checkout does not have")
+    import deepspeed
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config), False
+
+
+class _ComputeOnly:
+    """The compute-only baseline behind the engine's training-loop interface: same model, batches
+    and per-update work (forward/backward per micro-batch, clipping, AdamW step), no communication."""
+
+    def __init__(self, model, args, world_size):
+        import torch
+        from .methods import warmup_decay_lr
+        self.module, self.args, self.torch = model, args, torch
+        self.opt = torch.optim.AdamW(model.parameters(), lr=warmup_decay_lr(0, args.lr, args.warmup, args.updates),
+                                     betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+        self.lr_at = lambda s: warmup_decay_lr(s, args.lr, args.warmup, args.updates)
+        self.global_steps, self.global_samples, self._micro = 0, 0, 0
+        self.train_batch_size = args.micro_batch * args.grad_accum * world_size
+
+    def __call__(self, **kwargs):
+        return self.module(**kwargs)
+
+    def backward(self, loss):
+        (loss / self.args.grad_accum).backward()
+
+    def step(self):
+        self._micro += 1
+        if self._micro % self.args.grad_accum:
+            return
+        if self.args.clip > 0:
+            self.torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.args.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(self.global_steps)
+
+    def get_lr(self):
+        return [g["lr"] for g in self.opt.param_groups]
+
+
+def _system_cpu():
+    """``(busy, steal)`` CPU seconds of the whole machine so far (all cores, from /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tck = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq = fields[:7]
+    steal = fields[7] if len(fields) > 7 else 0
+    return (user + nice + system + irq + softirq) / tck, steal / tck
+
+
+def _snapshot(engine):
+    """CPU copy of the newest committed parameters (``engine.committed_parameters()`` when available)."""
+    committed = getattr(engine, "committed_parameters", None)
+    with (committed() if callable(committed) else contextlib.nullcontext()):
+        return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
+
+
+def evaluate(model, windows, batch_size: int) -> float:
+    """Mean next-byte cross-entropy (nats) over the validation windows."""
+    import torch
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(windows), batch_size):
+            x = torch.from_numpy(windows[i:i + batch_size])
+            total += float(model(input_ids=x, labels=x).loss) * len(x)
+            count += len(x)
+    return total / max(count, 1)
+
+
+def run(args) -> dict:
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+    import torch.distributed as dist
+
+    from .data import WindowSampler, load_corpus, validation_windows
+    from .methods import METHODS, ds_config
+    from .models import build_model, count_parameters
+
+    t_proc = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    method = METHODS[args.method]
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    slow = parse_slow_rank(args.slow_rank)
+    slow_factor = slow[1] if slow and slow[0] == rank else 1.0
+    os.makedirs(args.run_dir, exist_ok=True)
+
+    corpus = load_corpus(args.data, cache_dir=args.cache_dir or None)
+    sampler = WindowSampler(corpus.train, args.ctx, args.micro_batch, seed=args.seed, rank=rank)
+    model = build_model(args.model, args.ctx, args.seed)
+    n_params = count_parameters(model)
+
+    used_acco_initialize = False
+    if method.optimizer is None:
+        if world > 1 and not dist.is_initialized():  # only for the start barrier, never during training
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        if torch.cuda.is_available():  # on GPUs the floor is GPU compute too
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            model = model.to(torch.device("cuda", torch.cuda.current_device()))
+        engine = _ComputeOnly(model, args, world)
+    else:
+        cfg = ds_config(args.method, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+                        lr=args.lr, total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay,
+                        clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
+                        bf16=args.bf16, torch_adam=not torch.cuda.is_available())
+        if rank == 0:
+            with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
+                json.dump(cfg, f, indent=1)
+        (engine, _, _, _), used_acco_initialize = initialize_engine(model, cfg, method)
+    device = getattr(engine, "device", None) or next(engine.module.parameters()).device
+    train_batch_size = args.micro_batch * args.grad_accum * world
+    to_eval = set(eval_updates(args.updates, args.eval_points))
+    snapshots = {}
+    if 0 in to_eval:
+        snapshots[0] = _snapshot(engine)
+
+    log = open(os.path.join(args.run_dir, f"rank{rank}.jsonl"), "w", buffering=1)
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    cpu0, sys0 = time.process_time(), _system_cpu()
+    init_s = t0 - t_proc
+    micro, losses, committed, snapshot_s, slow_s = 0, [], 0, 0.0, 0.0
+    while committed < args.updates:
+        x = torch.from_numpy(sampler.micro_batch_at(micro)).to(device)
+        micro += 1
+        tc = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        if slow_factor > 1.0:
+            # A slower accelerator: forward + backward ~ 3 x forward, so sleep (F - 1) x 3 x forward time.
+            # Sleeping (not spinning) idles the host like a slow device would; measured on the forward
+            # alone because DeepSpeed's backward also runs its gradient all-reduce.
+            extra = (slow_factor - 1.0) * 3.0 * (time.perf_counter() - tc)
+            time.sleep(extra)
+            slow_s += extra
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        if engine.global_steps == committed:
+            continue
+        committed = int(engine.global_steps)
+        ts = time.perf_counter()
+        if committed in to_eval:
+            snapshots[committed] = _snapshot(engine)
+        snapshot_s += time.perf_counter() - ts
+        wait = getattr(engine, "communication_wait_s", None)
+        engine_samples = int(getattr(engine, "global_samples", 0) or 0)
+        # Committed samples: updates x global batch, except with dynamic accumulation, where only the
+        # engine knows (it counts them at commit). Our engines count fixed-accumulation samples when
+        # consumed, which runs ahead of the commits of a delayed method.
+        samples = engine_samples if args.dynamic_accumulation else committed * train_batch_size
+        row = dict(update=committed, samples=samples, engine_samples=engine_samples,
+                   wall_s=time.perf_counter() - t0 - snapshot_s, loss=sum(losses) / len(losses),
+                   micro_batches=len(losses),
+                   comm_wait_s=None if wait is None else float(wait), lr=float(engine.get_lr()[0]))
+        log.write(json.dumps(row) + "\n")
+        losses = []
+    wall_s = time.perf_counter() - t0 - snapshot_s  # the clock stops while parameters are copied
+    cpu_s, sys1 = time.process_time() - cpu0, _system_cpu()
+    log.close()
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    peak_gpu_mib = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    wait = getattr(engine, "communication_wait_s", None)
+
+    # Validation of the copies, after the clock stopped; the ranks split the copies between them.
+    windows = validation_windows(corpus.val, args.ctx, args.val_windows)
+    eval_model = build_model(args.model, args.ctx, args.seed)
+    val = {}
+    for i, update in enumerate(sorted(snapshots)):
+        if i % world == rank:
+            eval_model.load_state_dict(snapshots[update])
+            val[update] = evaluate(eval_model, windows, batch_size=max(1, 2 * args.micro_batch))
+    engine_samples = int(getattr(engine, "global_samples", 0) or 0)
+    summary = dict(method=args.method, rank=rank, world_size=world, updates=committed, micro_batches=micro,
+                   samples=engine_samples if args.dynamic_accumulation else committed * train_batch_size,
+                   engine_samples=engine_samples,
+                   train_batch_size=train_batch_size, wall_s=wall_s, init_s=init_s, snapshot_s=snapshot_s,
+                   wall_incl_copies_s=wall_s + snapshot_s,
+                   slow_sleep_s=slow_s, comm_wait_s=None if wait is None else float(wait),
+                   peak_rss_mib=peak_rss_mib, peak_gpu_mib=peak_gpu_mib, cpu_s=cpu_s,
+                   machine_busy_s=None if sys0 is None or sys1 is None else sys1[0] - sys0[0],
+                   machine_steal_s=None if sys0 is None or sys1 is None else sys1[1] - sys0[1], n_params=n_params, slow_factor=slow_factor,
+                   engine=type(engine).__name__, via_deepspeed_acco_initialize=used_acco_initialize,
+                   val_windows=int(len(windows)), val_tokens=int(windows.size),
+                   val={str(k): v for k, v in val.items()}, corpus=corpus.describe(),
+                   torch_threads=torch.get_num_threads())
+    with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run(args)
+    # Everything is written and every rank passed the final barrier: skip the interpreter's slow
+    # teardown of torch/DeepSpeed/transformers (~5 s per job on 2 cores).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
