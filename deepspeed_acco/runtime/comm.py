@@ -102,13 +102,21 @@ class Communicator:
     with a fake that records what was sent when.
     """
 
-    def __init__(self, group, rank: int, world_size: int, name: str):
+    def __init__(self, group, rank: int, world_size: int, name: str, global_ranks: Optional[List[int]] = None,
+                 backend: Optional[str] = None):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.name = name
+        self.global_ranks = global_ranks if global_ranks is not None else list(range(world_size))
+        """The global rank of each member, for point-to-point messages."""
+        # gloo's reduce_scatter runs a whole all-reduce (measured on a 1 Gbit/s link: 213 ms for
+        # 3.3M fp32 values against 105 ms for the all-gather of the same size), so on gloo we
+        # reduce-scatter with a ring of sends, which moves the minimal (W - 1) / W of the data.
+        self.ring_reduce_scatter = backend == "gloo"
         self.current_collective: Optional[str] = None
         self.current_started_at: Optional[float] = None
+        self._ring_buffers: dict = {}
 
     def _run(self, collective: str, fn: Callable[[], Any]) -> None:
         self.current_collective = collective
@@ -128,7 +136,31 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(input)
             return
-        self._run("reduce_scatter", lambda: _reduce_scatter_flat(output, input, group=self.group))
+        if self.ring_reduce_scatter:
+            self._run("reduce_scatter", lambda: self._ring_reduce_scatter(output, input))
+        else:
+            self._run("reduce_scatter", lambda: _reduce_scatter_flat(output, input, group=self.group))
+
+    def _ring_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Ring reduce-scatter: W - 1 steps; in step s this rank passes its running sum of chunk
+        (rank - s - 1) to the right and adds its own part of chunk (rank - s - 2) to what arrives
+        from the left. After the last step it holds the full sum of its own chunk."""
+        world_size, rank = self.world_size, self.rank
+        chunks = input.view(world_size, -1)
+        right = self.global_ranks[(rank + 1) % world_size]
+        left = self.global_ranks[(rank - 1) % world_size]
+        key = (chunks.shape[1], input.dtype, input.device)
+        if key not in self._ring_buffers:
+            self._ring_buffers[key] = (torch.empty_like(chunks[0]), torch.empty_like(chunks[0]))
+        received, outgoing = self._ring_buffers[key]
+        outgoing.copy_(chunks[(rank - 1) % world_size])
+        for step in range(world_size - 1):
+            send = dist.isend(outgoing, dst=right, group=self.group)
+            receive = dist.irecv(received, src=left, group=self.group)
+            send.wait()
+            receive.wait()
+            own = chunks[(rank - step - 2) % world_size]
+            torch.add(received, own, out=output if step == world_size - 2 else outgoing)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may alias this rank's chunk)."""
@@ -155,7 +187,7 @@ def new_communicator(ranks: List[int], timeout_s: float, name: str, backend: Opt
     else:
         group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
     rank = ranks.index(world_rank) if world_rank in ranks else -1
-    return Communicator(group, rank, len(ranks), name)
+    return Communicator(group, rank, len(ranks), name, global_ranks=list(ranks), backend=backend)
 
 
 class Pipeline:
