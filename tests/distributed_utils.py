@@ -39,11 +39,15 @@ def _entry(fn, rank, world_size, port, result_path, args, env):
     with open(result_path + ".tmp", "wb") as handle:
         pickle.dump(outcome, handle)
     os.replace(result_path + ".tmp", result_path)
-    ds_comm = sys.modules.get("deepspeed.comm.comm")
-    if outcome[0] and ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
-        # DeepSpeed's own engine initialised deepspeed.comm, whose CPU shared-memory op makes
-        # some interpreter exits abort (not our code; see deepspeed_acco.runtime.engine): the
-        # result is written, so skip finalisation for those processes only.
+    if outcome[0]:
+        # The result is written and every process group released. Interpreter finalisation of
+        # torch 2.13 with gloo still aborts now and then ("terminate called without an active
+        # exception": seen about once per full suite run, i.e. once in a few hundred rank exits;
+        # more often with deepspeed.comm's CPU shared-memory op), after all our code has finished. These tests check the math, so
+        # skip finalisation; how real training scripts exit is checked by the launcher tests
+        # (tests/test_example.py) and the failure tests, which look at real exit codes.
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)
 
 
