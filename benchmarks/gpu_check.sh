@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the fused kernels, prepared for a lent GPU machine (an H200 in this project):
-# build the CUDA op, run the GPU kernel tests, benchmark 100M+ parameter shards against the
+# build the CUDA op, run the GPU kernel and engine tests, benchmark 100M+ parameter shards against the
 # device's measured copy bandwidth (target: adamw_step and adamw_peek >= 85% of it), and print a
 # summary. Exits non-zero if any step fails or a target is missed.
 #
@@ -71,6 +71,8 @@ EOF
 
 if [ "$FAILED" -eq 0 ]; then
     step gpu_tests 600 "$PY" -m pytest -q -rs tests/test_ops_kernels.py -k "cuda or nvcc"
+    # The engine on CUDA (one rank): side-stream jobs, CUDA events, the fused CUDA kernels.
+    step gpu_engine_tests 600 "$PY" -m pytest -q -rs tests/test_gpu_engine.py
     step gpu_benchmark 900 "$PY" benchmarks/kernels.py --device cuda --sizes "$SIZES" \
         --json "$OUT/gpu_benchmark.json" --strict
 fi
