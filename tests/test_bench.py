@@ -73,6 +73,27 @@ def test_ds_config_per_method():
     assert ds_config("co2", local_steps=7, **common)["optimizer"]["params"]["local_steps"] == 7
 
 
+def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
+    from deepspeed_acco.bench.__main__ import build_parser, worker_args
+    from deepspeed_acco.bench.train import co2_options
+    from deepspeed_acco.config import parse_config
+    args = build_parser().parse_args(["--outer-lr", "0.7", "--outer-momentum", "0.2", "--gap-penalty", "2"])
+    argv = worker_args(args, "co2", "/tmp/x")
+    assert argv[argv.index("--outer-lr") + 1] == "0.7" and argv[argv.index("--gap-penalty") + 1] == "2.0"
+    import argparse
+    worker = argparse.Namespace(outer_lr=0.7, outer_momentum=0.2, gap_penalty="2.0")
+    cfg = ds_config("co2", world_size=2, micro_batch=4, grad_accum=2, lr=1e-3, total_updates=30, warmup=5,
+                    co2_options=co2_options(worker))
+    params = cfg["optimizer"]["params"]
+    assert (params["outer_lr"], params["outer_momentum"], params["gap_penalty"]) == (0.7, 0.2, 2.0)
+    assert parse_config(cfg, world_size=2).optimizer.gap_penalty == 2.0  # a valid engine config
+    assert "--outer-lr" not in worker_args(build_parser().parse_args([]), "co2", "/tmp/x")
+    for bad in ("0", "-1", "fast"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--gap-penalty", bad])
+        assert "expected 'adaptive' or a number > 0" in capsys.readouterr().err
+
+
 def test_compute_only_lr_matches_deepspeed_warmup_decay():
     import torch
     from deepspeed.runtime.lr_schedules import WarmupDecayLR
@@ -209,6 +230,7 @@ def test_bench_runs_inside_shaped_namespace(tmp_path):
     assert "tbf" in link["qdisc"] and 0.8 * 500e6 < link["measured_bps"] < 1.2 * 500e6
     probe = link["probe"]  # the collectives of one round, timed on the shaped link
     assert probe["backend"] == "gloo" and 0 < probe["all_gather_s"] and 0 < probe["round_s"] < 10
+    assert 0 < probe["engine_reduce_scatter_s"] and 0 < probe["engine_round_s"] < 10
     assert "comm probe (gloo" in res.stdout
     cmd = open(tmp_path / "runs" / "zero1" / "command.txt").read()
     assert cmd.startswith("ip netns exec acco-")

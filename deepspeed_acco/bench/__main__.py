@@ -28,6 +28,19 @@ from .models import DEFAULT_PRESET, PRESETS
 DEFAULT_UPDATES = 50
 
 
+def _gap_penalty(text: str):
+    """``--gap-penalty``: 'adaptive' or a positive number."""
+    if text == "adaptive":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected 'adaptive' or a number > 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench",
                                 description=__doc__.split("\n\n")[1],
@@ -40,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--updates", type=int, default=DEFAULT_UPDATES, help="committed updates per method (equal samples)")
     g.add_argument("--world-size", type=int, default=2, help="ranks per job")
     g.add_argument("--local-steps", type=int, default=12, help="CO2: inner steps between parameter averagings")
+    g.add_argument("--outer-lr", type=float, default=None, help="CO2: outer learning rate (default: the engine's, 1.0)")
+    g.add_argument("--outer-momentum", type=float, default=None,
+                   help="CO2: outer momentum (default: the engine's, 0.5)")
+    g.add_argument("--gap-penalty", default=None, type=_gap_penalty,
+                   help="CO2: a number (constant divisor) or 'adaptive' (default: the engine's, adaptive)")
     g.add_argument("--slow-rank", default="", metavar="R:F",
                    help="make rank R's compute F times slower (ACCO then uses dynamic accumulation)")
     g.add_argument("--no-dynamic-accumulation", action="store_true",
@@ -122,6 +140,10 @@ def worker_args(args, method: str, run_dir: str) -> List[str]:
            "--local-steps", str(args.local_steps), "--cache-dir", args.cache_dir or "",
            "--val-windows", str(args.val_windows), "--eval-points", str(args.eval_points),
            "--threads", str(args.threads)]
+    for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum),
+                        ("--gap-penalty", args.gap_penalty)):
+        if value is not None:
+            out += [flag, str(value)]
     if args.data:
         out += ["--data", args.data]
     if args.slow_rank:
@@ -480,7 +502,8 @@ def main(argv=None) -> int:
                                   f"fp32): reduce-scatter + all-gather {1000 * probe['round_s']:.0f} ms, all-reduce "
                                   f"{1000 * probe['all_reduce_s']:.0f} ms, reduce-scatter "
                                   f"{1000 * probe['reduce_scatter_s']:.0f} ms, all-gather "
-                                  f"{1000 * probe['all_gather_s']:.0f} ms", flush=True)
+                                  f"{1000 * probe['all_gather_s']:.0f} ms; our engine's round "
+                                  f"{1000 * probe['engine_round_s']:.0f} ms", flush=True)
                     k = rep % max(1, len(methods))
                     for method in methods[k:] + methods[:k]:  # rotate the order between repeats
                         sub = method if len(rates) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"),
@@ -629,6 +652,11 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe=None) -> Li
                      f"{1000 * probe['all_gather_s']:.0f} ms."
                      + (" (gloo's reduce-scatter moves as many bytes as an all-reduce.)"
                         if probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"] else ""))
+        if "engine_round_s" in probe:
+            lines.append(f"Our engine's round on this link: {1000 * probe['engine_round_s']:.0f} ms = "
+                         f"{probe['engine_round_s'] / t_comm:.2f}x ideal (reduce-scatter "
+                         f"{1000 * probe['engine_reduce_scatter_s']:.0f} ms"
+                         + (", a ring of sends on gloo)." if probe["backend"] == "gloo" else ")."))
     for r in rows:
         if r["method"] == "compute":
             continue
@@ -638,7 +666,7 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe=None) -> Li
         if t_real is not None:
             # DeepSpeed on gloo: ZeRO-1 all-reduces the gradients then all-gathers, stage 0 only all-reduces.
             real = {"zero1": probe["all_reduce_s"] + probe["all_gather_s"],
-                    "zero0": probe["all_reduce_s"]}.get(r["method"], t_real)
+                    "zero0": probe["all_reduce_s"]}.get(r["method"], probe.get("engine_round_s", t_real))
             br = report.bound_seconds(r["method"], t_comp, real, args.local_steps)
             line += f"; {1000 * br:.0f} ms with the measured round ({r['ms_per_update'] / (1000 * br):.2f}x)"
         lines.append(line)

@@ -3,7 +3,8 @@
 ``torchrun --nproc_per_node W -m deepspeed_acco.bench.commprobe --numel P --out FILE`` on every
 rank: times ``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of ``P`` fp32
 values (the model), and a reduce-scatter followed by an all-gather: the communication round of a
-ZeRO-1-style optimizer (ShardedAdamW, DPU, ACCO run one or two per update; DeepSpeed's ZeRO-1 on
+ZeRO-1-style optimizer, once with torch's collectives and once as our engine's communicator runs
+it (``engine_round_s``) (ShardedAdamW, DPU, ACCO run one or two per update; DeepSpeed's ZeRO-1 on
 CPU runs an all-reduce plus an all-gather). Rank 0 writes the best of ``--repeats`` timings, in
 seconds, as JSON. The bench runs it once per link so its report can say what one round really
 costs, next to the ideal ``bytes / link rate``.
@@ -56,6 +57,11 @@ def main(argv=None) -> int:
                reduce_scatter_s=timed(lambda: dist.reduce_scatter_tensor(shard, x)),
                all_gather_s=timed(lambda: dist.all_gather_into_tensor(full, shard)))
     out["round_s"] = timed(lambda: (dist.reduce_scatter_tensor(shard, x), dist.all_gather_into_tensor(full, shard)))
+    # The same round as our engine runs it (on gloo its reduce-scatter is a ring of sends).
+    from deepspeed_acco.runtime.comm import Communicator
+    comm = Communicator(dist.group.WORLD, rank, world, "probe", backend=dist.get_backend())
+    out["engine_reduce_scatter_s"] = timed(lambda: comm.reduce_scatter(shard, x))
+    out["engine_round_s"] = timed(lambda: (comm.reduce_scatter(shard, x), comm.all_gather(full, shard)))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

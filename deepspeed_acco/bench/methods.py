@@ -48,8 +48,9 @@ def engine_available() -> bool:
 def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int, lr: float, total_updates: int,
               warmup: int, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
               local_steps: int = 12, dynamic_accumulation: bool = False, bf16: bool = False,
-              torch_adam: bool = True) -> dict:
-    """The DeepSpeed JSON config (as a dict) for ``method``."""
+              torch_adam: bool = True, co2_options: Optional[dict] = None) -> dict:
+    """The DeepSpeed JSON config (as a dict) for ``method``; ``co2_options``: further CO2 params
+    (``outer_lr``, ``outer_momentum``, ``gap_penalty``), the engine's defaults where absent."""
     spec = METHODS[method]
     if spec.optimizer is None:
         raise ValueError(f"{method!r} runs without DeepSpeed (the compute-only baseline) and has no config")
@@ -62,6 +63,7 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         params["dynamic_accumulation"] = bool(dynamic_accumulation)
     if spec.name == "co2":
         params["local_steps"] = int(local_steps)
+        params.update(co2_options or {})
     cfg = {
         "train_batch_size": micro_batch * grad_accum * world_size,
         "train_micro_batch_size_per_gpu": micro_batch,

@@ -46,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local-steps", type=int, default=12)
+    p.add_argument("--outer-lr", type=float, default=None)
+    p.add_argument("--outer-momentum", type=float, default=None)
+    p.add_argument("--gap-penalty", default=None)
     p.add_argument("--dynamic-accumulation", action="store_true")
     p.add_argument("--slow-rank", default="", help="R:F, rank R's compute F times slower")
     p.add_argument("--bf16", action="store_true")
@@ -130,6 +133,18 @@ class _ComputeOnly:
         return [g["lr"] for g in self.opt.param_groups]
 
 
+def co2_options(args) -> dict:
+    """The CO2 params given on the command line (the rest keep the engine's defaults)."""
+    out = {}
+    if args.outer_lr is not None:
+        out["outer_lr"] = args.outer_lr
+    if args.outer_momentum is not None:
+        out["outer_momentum"] = args.outer_momentum
+    if args.gap_penalty is not None:
+        out["gap_penalty"] = args.gap_penalty if args.gap_penalty == "adaptive" else float(args.gap_penalty)
+    return out
+
+
 def _system_cpu():
     """``(busy, steal)`` CPU seconds of the whole machine so far (all cores, from /proc/stat), or None."""
     try:
@@ -197,7 +212,7 @@ def run(args) -> dict:
         cfg = ds_config(args.method, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                         lr=args.lr, total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay,
                         clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
-                        bf16=args.bf16, torch_adam=not torch.cuda.is_available())
+                        bf16=args.bf16, torch_adam=not torch.cuda.is_available(), co2_options=co2_options(args))
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
                 json.dump(cfg, f, indent=1)
