@@ -1,14 +1,15 @@
 # deepspeed-acco developer entry points. A newcomer needs two: `make demo` and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
-# CPU torch by default; CUDA users override, e.g. TORCH_SPEC='torch==2.13.0' TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# torch 2.13.0 from the configured pip index; pick a build with its index, e.g.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu (CPU only) or .../whl/cu128 (CUDA 12.8).
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP = $(VENV)/bin/pip
 PY = $(VENV)/bin/python
 STAMP = $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench kernels-bench nvcc-check clean
+.PHONY: venv demo test kernels-bench clean
 
 venv: $(STAMP)
 
@@ -24,6 +25,9 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q tests
+
+kernels-bench: venv
+	$(PY) benchmarks/kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
