@@ -43,9 +43,10 @@ def _entry(fn, rank, world_size, port, result_path, args, env):
         # The result is written and every process group released. Interpreter finalisation of
         # torch 2.13 with gloo still aborts now and then ("terminate called without an active
         # exception": seen about once per full suite run, i.e. once in a few hundred rank exits;
-        # more often with deepspeed.comm's CPU shared-memory op), after all our code has finished. These tests check the math, so
-        # skip finalisation; how real training scripts exit is checked by the launcher tests
-        # (tests/test_example.py) and the failure tests, which look at real exit codes.
+        # more often with deepspeed.comm's CPU shared-memory op), after all our code has finished.
+        # These tests check the math, so skip finalisation; how real training scripts exit is
+        # checked by the launcher tests (tests/test_example.py) and the failure tests, which look
+        # at real exit codes.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -234,7 +234,7 @@ def test_bench_runs_inside_shaped_namespace(tmp_path):
     assert "comm probe (gloo" in res.stdout
     cmd = open(tmp_path / "runs" / "zero1" / "command.txt").read()
     assert cmd.startswith("ip netns exec acco-")
-    assert not [n for n in _our_namespaces() if n.startswith(f"acco-")
+    assert not [n for n in _our_namespaces() if n.startswith("acco-")
                 and not os.path.exists(f"/proc/{n.split('-')[1]}")], "stale namespace"
 
 

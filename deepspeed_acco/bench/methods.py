@@ -6,7 +6,7 @@ gradient clipping; only the optimizer type (and ZeRO stage for DeepSpeed's own) 
 equal update counts mean equal samples.
 """
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,13 @@ def warmup_decay_lr(step: int, lr: float, warmup: int, total_updates: int) -> fl
     else:
         gamma = max(0.0, (total - it) / max(1.0, total - warmup))
     return min_lr + (lr - min_lr) * gamma
+
+
+def resolve_methods(text: str) -> List[str]:
+    names = [m.strip().lower() for m in text.split(",") if m.strip()]
+    aliases = {"zero-1": "zero1", "zero": "zero1", "ddp": "zero0", "stage0": "zero0", "shardedadamw": "sharded"}
+    names = [aliases.get(m, m) for m in names]
+    bad = [m for m in names if m not in METHODS or m == "compute"]
+    if bad:
+        raise SystemExit(f"unknown method(s) {bad}; choose from {[m for m in METHODS if m != 'compute']}")
+    return list(dict.fromkeys(names))
