@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..config import CO2, ShardedAdamW
+from ..config import CO2
 from .comm import CompletedWork
 from .flat import FlatParamGroup, padded_numel
 from .jobs import JobKind, JobResult

@@ -23,7 +23,7 @@ from .co2 import CO2Schedule
 from .comm import CommunicationError, Communicator, Pipeline, new_communicator
 from .jobs import JobResult
 from .optimizer import ShardedOptimizer
-from .schedule import ACCOSchedule, DPUSchedule, Schedule, ScheduleSettings, ShardedAdamWSchedule
+from .schedule import ACCOSchedule, DPUSchedule, ScheduleSettings, ShardedAdamWSchedule
 
 logger = logging.getLogger("deepspeed_acco")
 

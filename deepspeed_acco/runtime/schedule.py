@@ -22,9 +22,7 @@ import contextlib
 import enum
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
-
-import torch
+from typing import Callable, Iterator, List, Optional
 
 from .comm import Communicator, Pipeline, Work
 from .jobs import AdamWJob, JobKind, JobResult, ShardState, hyperparameters_of
