@@ -1,10 +1,9 @@
 """deepspeed-acco: communication-overlapped ZeRO-1 optimizers (ACCO, DPU, CO2) for DeepSpeed.
 
 Switch a DeepSpeed job to our optimizers by changing the config's optimizer type and calling
-:func:`deepspeed_acco.initialize` instead of ``deepspeed.initialize``.
+:func:`deepspeed_acco.initialize` instead of ``deepspeed.initialize``. Importing the package is
+light (no torch): everything heavy loads on first use.
 """
-from .config import OPTIMIZER_TYPES
-
 __version__ = "0.1.0"
 
 
@@ -14,4 +13,16 @@ def initialize(*args, **kwargs):
     return _initialize(*args, **kwargs)
 
 
-__all__ = ["initialize", "OPTIMIZER_TYPES", "__version__"]
+def register_optimizer_type(schedule_class):
+    """Make a :class:`~deepspeed_acco.runtime.schedule.Schedule` subclass selectable by its ``type_name``."""
+    from .runtime.optimizers import register
+    return register(schedule_class)
+
+
+def type_names():
+    """The optimizer types our engine runs (as written in the DeepSpeed config)."""
+    from .runtime.optimizers import type_names as _type_names
+    return _type_names()
+
+
+__all__ = ["initialize", "register_optimizer_type", "type_names", "__version__"]

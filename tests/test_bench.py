@@ -86,7 +86,7 @@ def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
                     co2_options=co2_options(worker))
     params = cfg["optimizer"]["params"]
     assert (params["outer_lr"], params["outer_momentum"], params["gap_penalty"]) == (0.7, 0.2, 2.0)
-    assert parse_config(cfg, world_size=2).optimizer.gap_penalty == 2.0  # a valid engine config
+    assert parse_config(cfg, world_size=2).params.gap_penalty == 2.0  # a valid engine config
     assert "--outer-lr" not in worker_args(build_parser().parse_args([]), "co2", "/tmp/x")
     for bad in ("0", "-1", "fast"):
         with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN 5): exact continuation, DeepSpeed interop, re-sharding, atomicity, consolidation."""
+"""Checkpoints (docs/design.md, 5): exact continuation, DeepSpeed interop, re-sharding, atomicity, consolidation."""
 import os
 import subprocess
 import sys
@@ -112,7 +112,7 @@ def _interop_worker(rank, world_size, directory):
             results[(kind, "masters-equal")] = all(
                 torch.equal(master[:partition.numel()], partition)
                 for master, partition in zip(masters, deepspeed_partitions))
-            results[(kind, "applied_steps")] = engine.optimizer.applied_steps
+            results[(kind, "applied_steps")] = engine.schedule.progress.applied_steps
         feed(engine, rank, 8, 16)
         results[(kind, "after-deepspeed")] = snapshot(engine, model)
         if hasattr(engine, "destroy"):

@@ -1,4 +1,4 @@
-"""Config validation (DESIGN 6): every invalid value of every key we own raises ValueError naming
+"""Config validation (docs/design.md, section 6): every invalid value of every key we own raises ValueError naming
 the key, before torch.distributed is initialised or any collective runs."""
 import copy
 
@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_acco
-from deepspeed_acco.config import ACCOConfig, CO2Config, parse_config, resolve_batch_sizes
+from deepspeed_acco.config import parse_config, resolve_batch_sizes
+from deepspeed_acco.runtime.optimizers.acco import ACCOParams
+from deepspeed_acco.runtime.optimizers.co2 import CO2Params
 
 BASE = {
     "train_micro_batch_size_per_gpu": 2,
@@ -108,13 +110,13 @@ def test_other_input_mistakes():
 
 def test_defaults_follow_torch_adamw_and_the_design():
     parsed = parse_config(BASE, world_size=2)
-    assert isinstance(parsed.optimizer, ACCOConfig)
+    assert isinstance(parsed.params, ACCOParams)
     adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
-    assert parsed.optimizer.lr == 1e-3 and parsed.optimizer.betas == adamw["betas"]
-    assert parsed.optimizer.eps == adamw["eps"] and parsed.optimizer.weight_decay == adamw["weight_decay"]
-    assert parsed.optimizer.overlap is True and parsed.optimizer.dynamic_accumulation is False
-    co2 = parse_config(with_changes("co2"), world_size=4).optimizer  # type names are case-insensitive
-    assert isinstance(co2, CO2Config)
+    assert parsed.params.lr == 1e-3 and parsed.params.betas == adamw["betas"]
+    assert parsed.params.eps == adamw["eps"] and parsed.params.weight_decay == adamw["weight_decay"]
+    assert parsed.params.overlap is True and parsed.params.dynamic_accumulation is False
+    co2 = parse_config(with_changes("co2"), world_size=4).params  # type names are case-insensitive
+    assert isinstance(co2, CO2Params)
     assert (co2.local_steps, co2.outer_lr, co2.outer_momentum, co2.gap_penalty, co2.clip_threshold,
             co2.group_size) == (12, 1.0, 0.5, "adaptive", None, 1)
     # ACCO's odd accumulation is fine with dynamic accumulation.

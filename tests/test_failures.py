@@ -1,4 +1,4 @@
-"""Failure behaviour (DESIGN 6): non-finite gradients, fp16 loss scaling, a dead peer."""
+"""Failure behaviour (docs/design.md, 6): non-finite gradients, fp16 loss scaling, a dead peer."""
 import logging
 import os
 import pickle
@@ -33,15 +33,15 @@ class _Records(logging.Handler):
 
 def _state(engine):
     shards = engine.optimizer.shards
-    return {"master": torch.cat([s.master for s in shards]), "exp_avg": torch.cat([s.exp_avg for s in shards]),
-            "exp_avg_sq": torch.cat([s.exp_avg_sq for s in shards]), "applied": engine.optimizer.applied_steps,
+    return {"master": torch.cat([s.master for s in shards]), "exp_avg": torch.cat([s.state['exp_avg'] for s in shards]),
+            "exp_avg_sq": torch.cat([s.state['exp_avg_sq'] for s in shards]), "applied": engine.schedule.progress.applied_steps,
             "lr": engine.get_lr()[0]}
 
 
 def _nan_worker(rank, world_size, kind, poisoned_index, dtype_name):
     import deepspeed_acco
     records = _Records()
-    logging.getLogger("deepspeed_acco").addHandler(records)
+    logging.getLogger("DeepSpeed.acco").addHandler(records)
     extra = {"bf16": {"enabled": True}} if dtype_name == "bf16" else {}
     model = TinyNet(seed=0)
     engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(),
@@ -108,6 +108,10 @@ def _fp16_worker(rank, world_size, poisoned):
                                    "hysteresis": 2, "min_loss_scale": 1})
     engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert next(model.parameters()).dtype == torch.float16
+    # DeepSpeed's own scaler is the reference; it logs overflows through deepspeed.comm.
+    import deepspeed.comm
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                                    dist_init_required=False)
     reference = DynamicLossScaler(init_scale=2**8, scale_window=4, min_scale=1, delayed_shift=2,
                                   consecutive_hysteresis=False, raise_error_at_min_scale=False)
     scales, losses = [], []
@@ -122,7 +126,7 @@ def _fp16_worker(rank, world_size, poisoned):
         losses.append(loss.item())
         if engine.global_steps != before:
             reference.update_scale(engine.recent_commits[-1].skipped)
-            scales.append((engine.loss_scaler.cur_scale, reference.cur_scale))
+            scales.append((engine.schedule.loss_scale.scale, reference.cur_scale))
     result = {"scales": scales, "skipped": engine.skipped_steps, "losses": losses}
     engine.destroy()
     return result

@@ -13,7 +13,22 @@ import torch
 from . import _backend, reference
 
 _STATE_DTYPE = torch.float32
-_OUT_DTYPES = (torch.float32, torch.bfloat16)
+# ``out`` may have any of these dtypes; the kernels write the first two directly, fp16 through an
+# fp32 staging copy (so callers never special-case the model dtype).
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _staged(out: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """Where the kernel writes ``out``: itself, or an fp32 staging tensor for other dtypes."""
+    if out is None or out.dtype in _KERNEL_OUT_DTYPES:
+        return out
+    return torch.empty_like(like)
+
+
+def _unstage(out: Optional[torch.Tensor], written: Optional[torch.Tensor]) -> None:
+    if written is not out:
+        out.copy_(written)
 
 
 def backend(device: Union[str, torch.device, None] = None) -> str:
@@ -71,13 +86,15 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     length) is given, the new parameters are also written there in its dtype.
     """
     _check_adamw_args(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps)
+    written = _staged(out, param)
     kernels = _backend.kernel_module(param.device.type)
     if kernels is None:
         reference.adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                             weight_decay=weight_decay, out=out)
+                             weight_decay=weight_decay, out=written)
     else:
-        kernels.adamw_step(param, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(beta1), float(beta2),
-                           float(eps), float(weight_decay))
+        kernels.adamw_step(param, grad, exp_avg, exp_avg_sq, written, int(step), float(lr), float(beta1),
+                           float(beta2), float(eps), float(weight_decay))
+    _unstage(out, written)
 
 
 def adamw_peek(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -87,13 +104,15 @@ def adamw_peek(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     if out is None:
         raise ValueError("adamw_peek needs an out tensor to write the estimated parameters to")
     _check_adamw_args(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps)
+    written = _staged(out, param)
     kernels = _backend.kernel_module(param.device.type)
     if kernels is None:
         reference.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                             weight_decay=weight_decay, out=out)
+                             weight_decay=weight_decay, out=written)
     else:
-        kernels.adamw_peek(param, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(beta1), float(beta2),
-                           float(eps), float(weight_decay))
+        kernels.adamw_peek(param, grad, exp_avg, exp_avg_sq, written, int(step), float(lr), float(beta1),
+                           float(beta2), float(eps), float(weight_decay))
+    _unstage(out, written)
 
 
 def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: torch.Tensor,
@@ -110,15 +129,17 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
         raise ValueError(f"penalty must be > 0, got {penalty}")
     if clip_threshold is not None and clip_threshold <= 0.0:
         raise ValueError(f"clip_threshold must be > 0 or None, got {clip_threshold}")
+    written = _staged(out, anchor)
     kernels = _backend.kernel_module(anchor.device.type)
     if kernels is None:
         reference.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=outer_lr,
                                  outer_momentum=outer_momentum, penalty=penalty, clip_threshold=clip_threshold,
-                                 out=out)
+                                 out=written)
     else:
-        kernels.co2_outer_step(prev_anchor, anchor, momentum, mean_params, out, float(outer_lr),
+        kernels.co2_outer_step(prev_anchor, anchor, momentum, mean_params, written, float(outer_lr),
                                float(outer_momentum), float(penalty),
                                None if clip_threshold is None else float(clip_threshold))
+    _unstage(out, written)
 
 
 __all__ = ["adamw_step", "adamw_peek", "co2_outer_step", "backend", "reference"]

@@ -1,15 +1,15 @@
-"""The communication side of the pipeline: a worker that runs jobs in order, and the narrow
-communicator object that the update jobs talk to (DESIGN 2 "communication job", DESIGN 6).
+"""The communication side of the pipeline (docs/design.md, sections 3 and 6): the lane that runs
+jobs in order, the narrow communicator object that the jobs talk to, and the control plane.
 
-A *job* is a plain Python callable made of collectives and shard math. ``Pipeline.submit``
-returns a :class:`Work` handle immediately; the job runs on a daemon worker thread (CPU/gloo) or
-is enqueued by that thread on a side CUDA stream (GPU/nccl). The training thread only ever calls
+A *job* is a plain Python callable made of collectives and shard math. ``Lane.submit`` returns a
+:class:`Work` handle immediately; the job runs on a daemon worker thread (CPU/gloo) or is enqueued
+by that thread on a side CUDA stream (GPU/nccl). The training thread only ever calls
 ``Work.wait()`` at a round boundary, which re-raises a failed job's exception with its traceback
 and makes the compute stream wait for the job's completion event (no host sync on GPU).
 
-Collectives run on a process group of their own, so collectives issued by the training loop
-(logging, evaluation) can never interleave with the worker's. Each collective is labelled for
-the profiler (``acco::reduce_scatter`` ...) and tracked so that a hang is reported by name.
+Collectives run on process groups of their own, so collectives issued by the training loop
+(logging, evaluation) can never interleave with the jobs'. Each collective is labelled for the
+profiler (``acco::reduce_scatter`` ...) and tracked so that a hang is reported by name.
 """
 import datetime
 import queue
@@ -39,23 +39,21 @@ class CommunicationError(RuntimeError):
 class Work:
     """Handle to one submitted job (the ``torch.distributed`` Work idiom)."""
 
-    def __init__(self, label: str, pipeline: "Pipeline"):
+    def __init__(self, label: str, lane: "Lane", communicator: "Communicator"):
         self.label = label
-        self._pipeline = pipeline
+        self.communicator = communicator
+        self._lane = lane
         self._finished = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self._error_traceback = ""
         self._cuda_done: Optional[torch.cuda.Event] = None
-        self.submitted_at = time.perf_counter()
-        self.finished_at: Optional[float] = None
 
     def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
         self._result = result
         self._error = error
         if error is not None:
             self._error_traceback = "".join(traceback.format_exception(error))
-        self.finished_at = time.perf_counter()
         self._finished.set()
 
     def is_done(self) -> bool:
@@ -71,9 +69,9 @@ class Work:
         job wrote can be used by subsequent kernels without a host synchronisation.
         """
         while not self._finished.wait(_POLL_INTERVAL_S):
-            self._pipeline.check_hang(self)
+            self._lane.check_hang(self)
         if self._error is not None:
-            raise CommunicationError(f"communication job {self.label!r} failed on rank {self._pipeline.rank}: "
+            raise CommunicationError(f"communication job {self.label!r} failed on rank {self._lane.rank}: "
                                      f"{self._error}\n--- worker traceback ---\n{self._error_traceback}") \
                 from self._error
         if self._cuda_done is not None:
@@ -170,6 +168,22 @@ class Communicator:
             return
         self._run("all_gather", lambda: _all_gather_flat(output, input, group=self.group))
 
+    def exchange(self, sends: List[tuple], receives: List[tuple]) -> None:
+        """Point-to-point: post every ``(peer rank, tensor)`` send and receive, then wait for all.
+
+        Peers are ranks of this communicator; a collective in the sense that the peers must post the
+        matching calls (checkpoints use it to move shards between layouts).
+        """
+        if not sends and not receives:
+            return
+
+        def run():
+            handles = [dist.isend(t, dst=self.global_ranks[peer], group=self.group) for peer, t in sends]
+            handles += [dist.irecv(t, src=self.global_ranks[peer], group=self.group) for peer, t in receives]
+            for handle in handles:
+                handle.wait()
+        self._run("exchange", run)
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks in place (used for the small per-job statistics)."""
         if self.world_size == 1:
@@ -190,82 +204,132 @@ def new_communicator(ranks: List[int], timeout_s: float, name: str, backend: Opt
     return Communicator(group, rank, len(ranks), name, global_ranks=list(ranks), backend=backend)
 
 
-class Pipeline:
-    """Runs communication jobs in submission order off the training thread.
+class ControlPlane:
+    """Small host-side agreements between ranks on the training thread (a gloo group of all ranks).
 
-    CPU: a daemon thread executes each job. CUDA: the same thread enqueues the job's kernels and
-    collectives on a side stream after waiting (on the device) for an event recorded on the
-    training stream at submission; completion is signalled by another event. The thread is a
-    daemon so that a job stuck in a dead peer's collective never blocks interpreter exit.
+    Used where ranks must agree before touching the lane (checkpoints, evaluation points with
+    dynamic accumulation). It never carries tensors of the model and never runs on the lane, so
+    it cannot be ordered against the jobs' collectives, on any backend.
     """
 
-    def __init__(self, rank: int, device: torch.device, communicators: List[Communicator], timeout_s: float):
-        self.rank = rank
-        self.device = device
-        self.communicators = communicators
-        self.timeout_s = timeout_s
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._loop, name=f"acco-comm-rank{rank}", daemon=True)
-        self._thread.start()
-        self._closed = False
+    def __init__(self, group, world_size: int):
+        self.group = group
+        self.world_size = world_size
 
-    def submit(self, job: Callable[[], Any], label: str) -> Work:
-        """Queue ``job`` behind the jobs already submitted; return its handle at once."""
-        if self._closed:
-            raise CommunicationError("the communication pipeline is closed")
-        work = Work(label, self)
-        ready = None
-        if self._stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        self._queue.put((job, work, ready))
-        return work
+    def max(self, value: int) -> int:
+        """The largest ``value`` over all ranks (collective)."""
+        if self.world_size == 1:
+            return int(value)
+        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return int(tensor.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def new_control_plane(timeout_s: float) -> ControlPlane:
+    """A gloo group over all ranks for :class:`ControlPlane` (collective: every rank calls it)."""
+    world_size = dist.get_world_size()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if world_size > 1 else None
+    return ControlPlane(group, world_size)
+
+
+class _Worker:
+    """One thread that runs the jobs of one communicator in submission order."""
+
+    def __init__(self, lane: "Lane", name: str):
+        self.lane = lane
+        self.queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self.stream = torch.cuda.Stream(device=lane.device) if lane.device.type == "cuda" else None
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
 
     def _loop(self) -> None:
-        if self._stream is not None:
-            torch.cuda.set_device(self.device)
+        if self.stream is not None:
+            torch.cuda.set_device(self.lane.device)
         while True:
-            item = self._queue.get()
+            item = self.queue.get()
             if item is None:
                 return
             job, work, ready = item
-            stream_context = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+            stream_context = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
             try:
                 with stream_context, torch.no_grad():
                     if ready is not None:
-                        self._stream.wait_event(ready)
+                        self.stream.wait_event(ready)
                     result = job()
-                    if self._stream is not None:
+                    if self.stream is not None:
                         work._cuda_done = torch.cuda.Event()
-                        work._cuda_done.record(self._stream)
+                        work._cuda_done.record(self.stream)
                 work._finish(result=result)
             except BaseException as error:  # surfaced to the training thread by Work.wait()
                 work._finish(error=error)
 
+
+class Lane:
+    """Issues every collective the engine runs: jobs go in, each communicator's in submission order.
+
+    The order of the jobs is the program order of the schedule, which is the same on every rank,
+    so every process group sees its collectives in the same order everywhere. Jobs of one
+    communicator run one after another on that communicator's worker thread; jobs of different
+    communicators (CO2's group steps and its outer averaging) may run at the same time. The worker
+    threads are daemons, so that a job stuck in a dead peer's collective never blocks interpreter
+    exit. On CUDA each worker enqueues its jobs on its own side stream after waiting (on the
+    device) for an event recorded on the training stream at submission.
+    """
+
+    def __init__(self, rank: int, device: torch.device, timeout_s: float):
+        self.rank = rank
+        self.device = device
+        self.timeout_s = timeout_s
+        self._workers = {}
+        self._closed = False
+
+    def submit(self, job: Callable[[], Any], communicator: Communicator, label: str) -> Work:
+        """Queue ``job`` behind the jobs already submitted for ``communicator``; return its handle at once."""
+        if self._closed:
+            raise CommunicationError("the communication lane is closed")
+        worker = self._workers.get(id(communicator))
+        if worker is None:
+            worker = _Worker(self, name=f"acco-{communicator.name}-rank{self.rank}")
+            self._workers[id(communicator)] = worker
+        work = Work(label, self, communicator)
+        ready = None
+        if worker.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        worker.queue.put((job, work, ready))
+        return work
+
     def check_hang(self, work: Work) -> None:
-        """Raise if a collective of the running job has exceeded the timeout (called while waiting)."""
+        """Raise if a collective of ``work``'s communicator has exceeded the timeout (called while waiting)."""
+        communicator = work.communicator
+        started = communicator.current_started_at
         now = time.perf_counter()
-        for communicator in self.communicators:
-            started = communicator.current_started_at
-            if started is not None and now - started > self.timeout_s + _HANG_GRACE_S:
-                raise CommunicationError(
-                    f"communication job {work.label!r} on rank {self.rank}: collective "
-                    f"{communicator.current_collective} on process group {communicator.name!r} has not completed "
-                    f"after {now - started:.0f} s (timeout {self.timeout_s:.0f} s); a peer rank is probably dead")
+        if started is not None and now - started > self.timeout_s + _HANG_GRACE_S:
+            raise CommunicationError(
+                f"communication job {work.label!r} on rank {self.rank}: collective "
+                f"{communicator.current_collective} on process group {communicator.name!r} has not completed "
+                f"after {now - started:.0f} s (timeout {self.timeout_s:.0f} s); a peer rank is probably dead")
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self, join_timeout_s: float = 0.0) -> bool:
-        """Stop the worker after the queued jobs; optionally wait for it (never for a hung collective).
+        """Stop the workers after their queued jobs; optionally wait for them (never for a hung collective).
 
-        Returns True if the worker has exited.
+        Returns True if every worker has exited.
         """
         if not self._closed:
             self._closed = True
-            self._queue.put(None)
-        if join_timeout_s > 0:
-            self._thread.join(join_timeout_s)
-        return not self._thread.is_alive()
+            for worker in self._workers.values():
+                worker.queue.put(None)
+        deadline = time.perf_counter() + join_timeout_s
+        for worker in self._workers.values():
+            remaining = deadline - time.perf_counter()
+            if remaining > 0:
+                worker.thread.join(remaining)
+        return not any(worker.thread.is_alive() for worker in self._workers.values())

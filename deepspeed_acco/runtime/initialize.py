@@ -1,4 +1,4 @@
-"""``deepspeed_acco.initialize``: a drop-in for ``deepspeed.initialize`` (DESIGN 2).
+"""``deepspeed_acco.initialize``: a drop-in for ``deepspeed.initialize`` (docs/design.md, section 2).
 
 If the config selects one of our optimizer types the model is wrapped in :class:`AccoEngine`;
 otherwise every argument is passed to ``deepspeed.initialize`` unchanged. Config mistakes raise
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import load_config, optimizer_type, parse_config
+from .builder import device_for_backend
 from .engine import AccoEngine
 
 
@@ -33,37 +34,31 @@ def _world_size_before_init() -> int:
         raise ValueError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
 
 
-def _single_process_defaults() -> None:
-    """Without launcher variables this is a single process: give it a private local rendezvous."""
-    if dist.is_initialized() or "RANK" in os.environ or "WORLD_SIZE" in os.environ:
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ["RANK"] = "0"
-    os.environ["WORLD_SIZE"] = "1"
-    os.environ.setdefault("LOCAL_RANK", "0")
-
-
 def init_distributed(timeout_s: float) -> None:
     """Initialise torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT if not done yet.
 
-    gloo on CPU, nccl on CUDA, like DeepSpeed.
+    gloo on CPU, nccl on CUDA, like DeepSpeed. Without any launcher variable this is a single
+    process, which gets a private rendezvous on a free local port (the environment is not touched).
     """
     if dist.is_initialized():
         return
-    _single_process_defaults()
-    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
-        raise ValueError(f"cannot initialise torch.distributed: environment variables {missing} are not set; "
-                         f"start the job with the deepspeed launcher or torchrun")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not any(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                world_size=1, timeout=timeout)
+    else:
+        missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise ValueError(f"cannot initialise torch.distributed: environment variables {missing} are not set; "
+                             f"start the job with the deepspeed launcher or torchrun")
+        dist.init_process_group(backend=backend, timeout=timeout)
     # We created the default group, so we release it: torch 2.13's gloo groups left to
     # interpreter finalisation abort the process in about one exit in four (measured: 5 of 20
-    # two-rank runs without destroy_process_group, 0 of 20 with it). Engines' own exit hooks,
-    # registered later, run first.
+    # two-rank runs without destroy_process_group, 0 of 20 with it). Registered before any
+    # engine's exit hook, so it runs after them.
     atexit.register(_destroy_default_group)
 
 
@@ -114,8 +109,6 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     if optimizer_type(config_dict) is None:
         import deepspeed
-        if dist_init_required is not False:
-            _single_process_defaults()
         forwarded = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config_dict, **kwargs)
@@ -135,13 +128,12 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     acco_config = parse_config(config_dict, _world_size_before_init())
     param_groups = _param_groups(model, model_parameters)
     if dist_init_required is not False:
-        init_distributed(acco_config.optimizer.communication_timeout_s)
+        init_distributed(acco_config.params.communication_timeout_s)
     elif not dist.is_initialized():
         raise ValueError("dist_init_required=False but torch.distributed is not initialised; initialise it first")
     if dist.get_world_size() != acco_config.world_size:
         acco_config = parse_config(config_dict, dist.get_world_size())
-    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = device_for_backend()
     engine = AccoEngine(model=model, param_groups=param_groups, config=acco_config, lr_scheduler=lr_scheduler,
                         training_data=training_data, collate_fn=collate_fn, device=device)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,337 @@
+"""CO2: local AdamW steps with one-step asynchronous outer averaging (docs/design.md, 3.5; CO2 paper).
+
+Inner steps: one per full batch. Each replica (with ``group_size`` g > 1: each group of g
+consecutive ranks, ZeRO-1 sharded inside the group) runs AdamW on its own copy of the weights;
+no gradient crosses groups. The inner steps are jobs on the group's communicator.
+
+Outer rounds: every tau = ``local_steps`` inner steps, boundary k
+  (1) waits for J_{k-1}, which computed the anchor x_{k+1},
+  (2) hands this replica's displacement y_k - x_k to J_k and resets the replica (its fp32 inner
+      master and the model's cast of it) to x_{k+1}; the inner AdamW moments are kept,
+  (3) launches J_k on the jobs' communicator, which runs while round k+1 computes:
+        ybar_k  = x_k + mean over replicas of (y_k - x_k)     (reduce-scatter, sharded)
+        d       = x_k - ybar_k                              (pseudo-gradient of round k)
+        m       = clamp(beta_o * m + d / lambda, -c, c)       (clamp only if c is set)
+        x_{k+2} = x_{k+1} - alpha_o * m                      (all-gathered in fp32)
+so the progress of round k reaches the replicas at boundary k+1: one round late, hidden behind a
+whole round of compute. Anchors, y_k and the inner masters are fp32 in every precision; the model
+holds their cast. Reducing displacements rather than parameters keeps their precision when the
+reduce-scatter runs in bf16. The outer state (x_k, x_{k+1}, m) is sharded over all ranks: O(P / W).
+Gap penalty lambda: a constant, or adaptive: 1 + ||x_{k+1} - x_k|| / (max_i ||y^i_k - x_k|| + 1e-12).
+"""
+import enum
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from ... import ops
+from ..comm import Communicator, CompletedWork
+from ..flat import FlatParamGroup
+from ..jobs import JobKind
+from ..optimizer import ShardedOptimizer
+from ..schedule import BuildContext, CheckpointState, Schedule, result_to_dict
+from .params import AdamWParams, config_error
+
+ADAPTIVE = "adaptive"
+# Added to the largest inner displacement so the adaptive penalty is defined for a still model.
+DISPLACEMENT_EPSILON = 1e-12
+logger = logging.getLogger("DeepSpeed").getChild("acco")
+
+
+@dataclass(kw_only=True)
+class CO2Params(AdamWParams):
+    """Local AdamW steps with one-step asynchronous outer averaging."""
+
+    local_steps: int = 12
+    """tau: inner steps per outer round."""
+    outer_lr: float = 1.0
+    """alpha_o: outer learning rate."""
+    outer_momentum: float = 0.5
+    """beta_o: outer momentum."""
+    gap_penalty: Union[float, str] = field(default=ADAPTIVE, metadata={"choices": (ADAPTIVE, )})
+    """lambda: constant divisor of the pseudo-gradient, or "adaptive"."""
+    clip_threshold: Optional[float] = None
+    """c: coordinate-wise clip of the outer momentum; None disables clipping."""
+    group_size: int = 1
+    """g: consecutive ranks that average gradients every inner step (ZeRO-1 inside the group)."""
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.local_steps < 1:
+            raise config_error(f"{prefix}.local_steps", f"must be >= 1, got {self.local_steps}", "use e.g. 12")
+        if self.outer_lr <= 0:
+            raise config_error(f"{prefix}.outer_lr", f"must be > 0, got {self.outer_lr}", "use e.g. 1.0")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise config_error(f"{prefix}.outer_momentum", f"must lie in [0, 1), got {self.outer_momentum}",
+                               "use e.g. 0.5")
+        if self.gap_penalty != ADAPTIVE and self.gap_penalty <= 0:
+            raise config_error(f"{prefix}.gap_penalty", f"must be > 0 or \"adaptive\", got {self.gap_penalty}",
+                               "use 1.0 for no penalty or \"adaptive\"")
+        if self.clip_threshold is not None and self.clip_threshold <= 0:
+            raise config_error(f"{prefix}.clip_threshold", f"must be > 0 or null, got {self.clip_threshold}",
+                               "use a positive threshold or null to disable")
+        if self.group_size < 1:
+            raise config_error(f"{prefix}.group_size", f"must be >= 1, got {self.group_size}", "use 1 (no groups)")
+
+
+class Phase(enum.Enum):
+    LOCAL = "local"
+    """Round k+1: inner steps from the anchor x_{k+1}; the running job computes x_{k+2} (none in round 0)."""
+
+
+class OuterState:
+    """One flat group's outer state: this rank's shards over all W ranks, plus full-size fp32 buffers.
+
+    Sharded, fp32:  prev_anchor (x_k), anchor (x_{k+1}), momentum (m)
+    Full, per rank: round_start (x of the round in progress, fp32), gather (the job's x_{k+2}, fp32),
+                    displacement (y - round_start on this rank's inner shard, zero elsewhere; comm dtype)
+    """
+
+    def __init__(self, flat: FlatParamGroup, world_size: int, world_rank: int, communication_dtype: torch.dtype):
+        assert flat.padded_numel % world_size == 0, "outer shards need the flat group padded for all ranks"
+        self.flat = flat
+        self.shard_numel = flat.padded_numel // world_size
+        self.shard_offset = world_rank * self.shard_numel
+        self.round_start = flat.model_flat.to(torch.float32, copy=True)
+        self.gather = self.round_start.clone()
+        self.anchor = self.shard_of(self.round_start).clone()
+        self.prev_anchor = self.anchor.clone()
+        self.momentum = torch.zeros_like(self.anchor)
+        self.displacement = torch.zeros(flat.padded_numel, dtype=communication_dtype, device=flat.device)
+        self.mean_displacement = torch.zeros(self.shard_numel, dtype=communication_dtype, device=flat.device)
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        return full[self.shard_offset:self.shard_offset + self.shard_numel]
+
+
+@dataclass
+class OuterResult:
+    skipped: bool
+    """True if the mean displacement was non-finite: the anchor did not move."""
+    penalty: float
+    anchor_move: float
+    """||x_{k+1} - x_k||, the distance the anchor moved during round k."""
+    max_displacement: float
+    """max_i ||y^i_k - x_k||, the largest inner displacement of round k."""
+    timings_s: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CO2OuterJob:
+    """Job J_k: reduce-scatter the displacements, outer update on the shard, all-gather x_{k+2}."""
+
+    states: List[OuterState]
+    communicator: Communicator
+    num_groups: int
+    group_index: int
+    params: CO2Params
+    local_displacement_sq: torch.Tensor
+    """||y_k - x_k||^2 over this rank's inner shards (a 0-dim float64 tensor, no host sync)."""
+
+    def __call__(self) -> OuterResult:
+        timings = {}
+        start = time.perf_counter()
+        for state in self.states:
+            self.communicator.reduce_scatter(state.mean_displacement, state.displacement)
+        timings["reduce_scatter"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        num_groups = self.num_groups
+        device = self.states[0].anchor.device
+        # [||y_j - x_k||^2 of each group j (this rank adds its shard's part), ||x_{k+1} - x_k||^2,
+        #  non-finite count], summed over ranks.
+        statistics = torch.zeros(num_groups + 2, dtype=torch.float64, device=device)
+        statistics[self.group_index] = self.local_displacement_sq
+        statistics[num_groups] = sum(torch.linalg.vector_norm(s.anchor - s.prev_anchor).double().square()
+                                     for s in self.states)
+        statistics[num_groups + 1] = sum((~torch.isfinite(s.mean_displacement)).sum() for s in self.states)
+        self.communicator.all_reduce(statistics)
+        values = statistics.tolist()  # the job's one host read
+        max_displacement = math.sqrt(max(values[:num_groups]))
+        anchor_move = math.sqrt(values[num_groups])
+        skipped = values[num_groups + 1] > 0 or not math.isfinite(max_displacement)
+        if self.params.gap_penalty == ADAPTIVE:
+            penalty = 1.0 + anchor_move / (max_displacement + DISPLACEMENT_EPSILON)
+        else:
+            penalty = float(self.params.gap_penalty)
+        timings["statistics"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        for state in self.states:
+            out = state.shard_of(state.gather)
+            if skipped:
+                state.prev_anchor.copy_(state.anchor)  # x_{k+2} = x_{k+1}: the anchor stays
+                out.copy_(state.anchor)
+                continue
+            # ybar_k = x_k + (sum over ranks of the displacement shards) / groups, in fp32.
+            mean_params = state.mean_displacement.float().div_(num_groups).add_(state.prev_anchor)
+            ops.co2_outer_step(state.prev_anchor, state.anchor, state.momentum, mean_params,
+                               outer_lr=self.params.outer_lr, outer_momentum=self.params.outer_momentum,
+                               penalty=penalty, clip_threshold=self.params.clip_threshold, out=out)
+        timings["update"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        for state in self.states:
+            self.communicator.all_gather(state.gather, state.shard_of(state.gather))
+        timings["all_gather"] = time.perf_counter() - start
+        return OuterResult(skipped=skipped, penalty=penalty, anchor_move=anchor_move,
+                           max_displacement=max_displacement, timings_s=timings)
+
+
+class CO2(Schedule):
+    """Inner AdamW steps as group jobs; the outer averaging job overlapped with a round."""
+
+    type_name = "CO2"
+    Params = CO2Params
+    Phase = Phase
+    synchronous = True
+
+    @classmethod
+    def validate_config(cls, params: CO2Params, batch, world_size: int) -> None:
+        if world_size % params.group_size:
+            raise config_error("optimizer.params.group_size",
+                               f"{params.group_size} does not divide the world size {world_size}",
+                               "choose a divisor of the number of ranks")
+
+    @classmethod
+    def build(cls, context: BuildContext) -> "CO2":
+        """ZeRO-1 inside each group for the inner steps, with flat buffers padded for all ranks so the
+        outer state shards over all of them."""
+        group_size = context.params.group_size
+        inner = context.new_group_communicator(group_size, "co2-group")
+        optimizer = ShardedOptimizer(context.param_groups, cls.rule.defaults(context.params), world_size=group_size,
+                                     rank=context.rank % group_size,
+                                     communication_dtype=context.config.communication_torch_dtype, synchronous=True,
+                                     rule=cls.rule, padding_world_size=context.world_size)
+        return cls(context, optimizer, inner, outer_communicator=context.jobs_communicator)
+
+    def __init__(self, context: BuildContext, optimizer: ShardedOptimizer, communicator: Communicator, *,
+                 outer_communicator: Communicator):
+        super().__init__(context, optimizer, communicator)
+        self.outer_communicator = outer_communicator
+        self.group_size = self.params.group_size
+        self.num_groups = self.world_size // self.group_size
+        self.group_index = self.rank // self.group_size
+        dtype = context.config.communication_torch_dtype
+        self.outers = [OuterState(flat, outer_communicator.world_size, outer_communicator.rank, dtype)
+                       for flat in self.flats]
+        self.inner_steps_in_round = 0
+        self.outer_rounds = 0
+        """Outer boundaries passed (k after boundary k - 1)."""
+        self.outer_skips = 0
+
+    def boundary(self) -> None:
+        work = self._launch(JobKind.COMMIT, wait=True)  # one inner step of this replica
+        self._account_commit(work.wait())
+        self.inner_steps_in_round += 1
+        if self.inner_steps_in_round == self.params.local_steps:
+            self._outer_boundary()
+            self.inner_steps_in_round = 0
+
+    def _outer_boundary(self) -> None:
+        outer = self._wait_running()
+        if outer is not None and outer.skipped:
+            self.outer_skips += 1
+            logger.warning("CO2 outer round %d: non-finite replica parameters; the anchor did not move (outer "
+                           "rounds skipped so far: %d)", self.outer_rounds - 1, self.outer_skips)
+        displacement_sq = torch.zeros((), dtype=torch.float64, device=self.flats[0].device)
+        with torch.no_grad():
+            for flat, state, shard in zip(self.flats, self.outers, self.shards):
+                own = slice(flat.shard_offset, flat.shard_offset + flat.shard_numel)
+                moved = shard.master - state.round_start[own]  # y_k - x_k on this rank's inner shard, fp32
+                displacement_sq += torch.linalg.vector_norm(moved).double().square()
+                state.displacement[own].copy_(moved)
+                if outer is not None:  # x_{k+1} arrived (for k = 0, x_1 = x_0 is already there)
+                    state.round_start, state.gather = state.gather, state.round_start
+                flat.install(state.round_start)
+                shard.master.copy_(state.round_start[own])
+        job = CO2OuterJob(states=self.outers, communicator=self.outer_communicator, num_groups=self.num_groups,
+                          group_index=self.group_index, params=self.params, local_displacement_sq=displacement_sq)
+        self._submit(job, self.outer_communicator, f"CO2 outer averaging of round {self.outer_rounds}", wait=False)
+        self.outer_rounds += 1
+
+    def committed_flats(self) -> Optional[List[torch.Tensor]]:
+        """The newest anchor: x_{k+2} once J_k has finished, x_0 before the first boundary."""
+        return [state.gather if self.running is not None else state.round_start for state in self.outers]
+
+    def pending_commit(self):
+        return None  # inner steps are installed when they finish; the outer job has no step count
+
+    def reset(self) -> None:
+        """Start CO2 afresh from the weights the model holds: x_0 = x_1 = them, m = 0."""
+        super().reset()
+        dtype = self.outers[0].displacement.dtype
+        self.outers = [OuterState(flat, self.outer_communicator.world_size, self.outer_communicator.rank, dtype)
+                       for flat in self.flats]
+        for flat, shard in zip(self.flats, self.shards):
+            shard.master.copy_(flat.shard_of(flat.model_flat))
+        self.inner_steps_in_round = 0
+        self.outer_rounds = 0
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def communicator_for_checkpoints(self) -> Communicator:
+        return self.outer_communicator
+
+    def rule_state_is_sharded(self) -> bool:
+        return False  # the inner state is per group; DeepSpeed's partitions hold the anchors
+
+    def checkpoint_state(self) -> CheckpointState:
+        meta = {"phase": self.phase.value, "round_micro_batches": self.round_micro_batches,
+                "round_loss_scale": self.round_loss_scale, "jobs_launched": self.jobs_launched,
+                "group_size": self.group_size, "inner_steps_in_round": self.inner_steps_in_round,
+                "outer_rounds": self.outer_rounds, "outer_skips": self.outer_skips, "pending": None}
+        if self.running is not None:
+            meta["pending"] = {"result": result_to_dict(self.running.wait())}
+        local = {"inner_master": [shard.master.clone() for shard in self.shards],
+                 "inner_state": [{name: value.clone() for name, value in shard.state.items()} for shard in self.shards]}
+        if self.round_micro_batches:
+            local["grad_accum"] = [flat.unpadded(flat.grad_accum).clone() for flat in self.flats]
+        sharded = {"prev_anchor": [s.prev_anchor.clone() for s in self.outers],
+                   "momentum": [s.momentum.clone() for s in self.outers]}
+        return CheckpointState(fp32_partitions=[s.anchor for s in self.outers], rule_state=None, sharded=sharded,
+                               local=local, meta=meta)
+
+    def load_checkpoint_state(self, state: CheckpointState, gather_full) -> None:
+        meta = state.meta
+        self.reset()
+        self.jobs_launched = int(meta.get("jobs_launched", 0))
+        self.inner_steps_in_round = int(meta["inner_steps_in_round"])
+        self.outer_rounds = int(meta["outer_rounds"])
+        self.outer_skips = int(meta["outer_skips"])
+        if meta["round_micro_batches"]:
+            self.round_micro_batches = int(meta["round_micro_batches"])
+            self.round_loss_scale = meta.get("round_loss_scale")
+            for flat, values in zip(self.flats, state.local["grad_accum"]):
+                flat.grad_accum[:flat.numel].copy_(values)
+        for shard, master, rule_state in zip(self.shards, state.local["inner_master"], state.local["inner_state"]):
+            shard.master.copy_(master)
+            for name, value in rule_state.items():
+                shard.state[name].copy_(value)
+        for outer, anchor, prev_anchor, momentum in zip(self.outers, state.fp32_partitions,
+                                                         state.sharded["prev_anchor"], state.sharded["momentum"]):
+            outer.anchor.copy_(anchor)
+            outer.prev_anchor.copy_(prev_anchor)
+            outer.momentum.copy_(momentum)
+        pending = meta["pending"]
+        anchors = gather_full([outer.anchor for outer in self.outers], torch.float32)
+        if pending is None:  # before the first boundary: x_0 = x_1, the round started there
+            starts = anchors
+        else:  # J_k finished: x_{k+2} waits to be installed, round k+1 started at x_{k+1}
+            starts = gather_full([outer.prev_anchor for outer in self.outers], torch.float32)
+            self.running = CompletedWork("CO2 outer averaging restored from a checkpoint",
+                                         OuterResult(**pending["result"]))
+        for outer, start, anchor in zip(self.outers, starts, anchors):
+            outer.round_start.copy_(start)
+            outer.gather.copy_(anchor)
+        # The replica is the cast of the inner masters (its group's shards, all-gathered in the group).
+        work = self.lane.submit(self._gather_replica, self.communicator, label="CO2 replica from a checkpoint")
+        work.wait()
+
+    def _gather_replica(self) -> None:
+        for flat, shard in zip(self.flats, self.shards):
+            flat.shard_of(flat.model_flat).copy_(shard.master)
+            self.communicator.all_gather(flat.model_flat, flat.shard_of(flat.model_flat))

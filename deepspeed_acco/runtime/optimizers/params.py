@@ -1,0 +1,128 @@
+"""``optimizer.params`` of the DeepSpeed config: parsed from a type's kw_only dataclass.
+
+Each optimizer type declares its params as a kw_only dataclass whose fields carry the names,
+defaults and types (``float``, ``int``, ``bool``, ``Tuple[float, float]``, ``Optional[float]``,
+``Union[float, str]`` or ``str`` with the allowed words in the field's ``choices`` metadata) and a
+docstring per field naming the paper's symbol; :func:`parse_params` checks a JSON object against
+it, and the class's ``validate()`` checks ranges. Every mistake raises ``ValueError`` naming the
+key and the fix.
+"""
+import math
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Dict, Tuple
+
+DEFAULT_COMMUNICATION_TIMEOUT_S = 300.0
+
+
+def config_error(key: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"deepspeed_acco config: {key}: {problem}; {fix}")
+
+
+def number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise config_error(key, f"expected a finite number, got {value!r}", "set it to a number")
+    return float(value)
+
+
+def integer(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise config_error(key, f"expected an integer, got {value!r}", "set it to an integer")
+    return value
+
+
+def boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise config_error(key, f"expected true or false, got {value!r}", "set it to a JSON boolean")
+    return value
+
+
+def _parse_value(key: str, annotation, value: Any, choices: Tuple[str, ...]):
+    if isinstance(value, str) and value in choices:
+        return value
+    origin = typing.get_origin(annotation)
+    arguments = typing.get_args(annotation)
+    if annotation is float:
+        return number(key, value)
+    if annotation is int:
+        return integer(key, value)
+    if annotation is bool:
+        return boolean(key, value)
+    if annotation is str:
+        raise config_error(key, f"expected one of {list(choices)}, got {value!r}", f"use one of {list(choices)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(arguments):
+            raise config_error(key, f"expected a list of {len(arguments)} numbers, got {value!r}",
+                               "set e.g. [0.9, 0.999]")
+        return tuple(_parse_value(key, item_type, item, ()) for item_type, item in zip(arguments, value))
+    if origin is typing.Union:
+        if value is None and type(None) in arguments:
+            return None
+        concrete = [a for a in arguments if a not in (type(None), str)]
+        if len(concrete) == 1:
+            try:
+                return _parse_value(key, concrete[0], value, ())
+            except ValueError:
+                allowed = [repr(c) for c in choices] + (["null"] if type(None) in arguments else [])
+                raise config_error(key, f"expected a number{' or ' + ' or '.join(allowed) if allowed else ''}, "
+                                   f"got {value!r}", "fix the value") from None
+    raise TypeError(f"params field {key} has an annotation the parser does not know: {annotation!r}")
+
+
+def parse_params(cls, raw: Dict[str, Any], type_name: str, prefix: str = "optimizer.params"):
+    """An instance of the params dataclass ``cls`` from the JSON object ``raw`` (validated)."""
+    if not isinstance(raw, dict):
+        raise config_error(prefix, f"expected an object, got {raw!r}", "give the parameters as a JSON object")
+    known = {item.name: item for item in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise config_error(f"{prefix}.{unknown[0]}", f"unknown parameter for optimizer type {type_name!r}",
+                           f"remove it; {type_name} accepts {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in raw.items():
+        choices = tuple(known[key].metadata.get("choices", ()))
+        values[key] = _parse_value(f"{prefix}.{key}", hints[key], value, choices)
+    parsed = cls(**values)
+    parsed.validate(prefix)
+    return parsed
+
+
+def defaults_of(cls) -> Dict[str, Any]:
+    """Field name -> default of a params dataclass (for documentation and tests)."""
+    return {item.name: item.default for item in fields(cls) if item.default is not MISSING}
+
+
+@dataclass(kw_only=True)
+class AdamWParams:
+    """AdamW hyperparameters and pipeline switches shared by our types (``torch.optim.AdamW`` defaults)."""
+
+    lr: float = 1e-3
+    """Learning rate (the scheduler, if any, overrides it per update)."""
+    betas: Tuple[float, float] = (0.9, 0.999)
+    """(beta1, beta2): decay rates of the first and second moment estimates."""
+    eps: float = 1e-8
+    """Term added to the denominator for numerical stability."""
+    weight_decay: float = 1e-2
+    """Decoupled weight decay coefficient."""
+    overlap: bool = True
+    """Run communication jobs on the lane while the model computes. ``False`` runs each job
+    synchronously with identical math (for debugging and tests)."""
+    communication_timeout_s: float = DEFAULT_COMMUNICATION_TIMEOUT_S
+    """How long a collective may take before the job fails with a message naming it (dead peers)."""
+
+    def validate(self, prefix: str) -> None:
+        """Range checks (the types were checked by :func:`parse_params`)."""
+        if self.lr <= 0:
+            raise config_error(f"{prefix}.lr", f"must be > 0, got {self.lr}", "set a positive learning rate, e.g. 1e-3")
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise config_error(f"{prefix}.betas", f"each beta must lie in [0, 1), got {list(self.betas)}",
+                               "use e.g. [0.9, 0.999]")
+        if self.eps <= 0:
+            raise config_error(f"{prefix}.eps", f"must be > 0, got {self.eps}", "use e.g. 1e-8")
+        if self.weight_decay < 0:
+            raise config_error(f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}",
+                               "use 0 to disable weight decay")
+        if self.communication_timeout_s <= 0:
+            raise config_error(f"{prefix}.communication_timeout_s", f"must be > 0, got {self.communication_timeout_s}",
+                               f"use e.g. {DEFAULT_COMMUNICATION_TIMEOUT_S}")
