@@ -94,8 +94,25 @@ def defaults_of(cls) -> Dict[str, Any]:
 
 
 @dataclass(kw_only=True)
-class AdamWParams:
-    """AdamW hyperparameters and pipeline switches shared by our types (``torch.optim.AdamW`` defaults)."""
+class PipelineParams:
+    """Switches of the communication pipeline that every optimizer type has."""
+
+    overlap: bool = True
+    """Run communication jobs on the lane while the model computes. ``False`` runs each job
+    synchronously with identical math (for debugging and tests)."""
+    communication_timeout_s: float = DEFAULT_COMMUNICATION_TIMEOUT_S
+    """How long a collective may take before the job fails with a message naming it (dead peers)."""
+
+    def validate(self, prefix: str) -> None:
+        """Range checks (the types were checked by :func:`parse_params`)."""
+        if self.communication_timeout_s <= 0:
+            raise config_error(f"{prefix}.communication_timeout_s", f"must be > 0, got {self.communication_timeout_s}",
+                               f"use e.g. {DEFAULT_COMMUNICATION_TIMEOUT_S}")
+
+
+@dataclass(kw_only=True)
+class AdamWParams(PipelineParams):
+    """AdamW hyperparameters shared by our types (``torch.optim.AdamW`` defaults)."""
 
     lr: float = 1e-3
     """Learning rate (the scheduler, if any, overrides it per update)."""
@@ -105,14 +122,9 @@ class AdamWParams:
     """Term added to the denominator for numerical stability."""
     weight_decay: float = 1e-2
     """Decoupled weight decay coefficient."""
-    overlap: bool = True
-    """Run communication jobs on the lane while the model computes. ``False`` runs each job
-    synchronously with identical math (for debugging and tests)."""
-    communication_timeout_s: float = DEFAULT_COMMUNICATION_TIMEOUT_S
-    """How long a collective may take before the job fails with a message naming it (dead peers)."""
 
     def validate(self, prefix: str) -> None:
-        """Range checks (the types were checked by :func:`parse_params`)."""
+        super().validate(prefix)
         if self.lr <= 0:
             raise config_error(f"{prefix}.lr", f"must be > 0, got {self.lr}", "set a positive learning rate, e.g. 1e-3")
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
@@ -123,6 +135,3 @@ class AdamWParams:
         if self.weight_decay < 0:
             raise config_error(f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}",
                                "use 0 to disable weight decay")
-        if self.communication_timeout_s <= 0:
-            raise config_error(f"{prefix}.communication_timeout_s", f"must be > 0, got {self.communication_timeout_s}",
-                               f"use e.g. {DEFAULT_COMMUNICATION_TIMEOUT_S}")
