@@ -89,6 +89,8 @@ def _param_groups(model: torch.nn.Module, model_parameters) -> List[Dict]:
             if id(p) not in model_param_ids:
                 raise ValueError(f"model_parameters: group {index} holds a tensor that is not a parameter of the model")
             seen.add(id(p))
+    if not any(p.requires_grad for group in groups for p in group["params"]):
+        raise ValueError("model_parameters: no parameter requires a gradient; there is nothing to optimize")
     return groups
 
 
@@ -97,21 +99,22 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                distributed_port: Optional[int] = None, mpu: Any = None, dist_init_required: Optional[bool] = None,
                collate_fn: Any = None, config: Any = None, config_params: Any = None, **kwargs):
     """Same signature and return as ``deepspeed.initialize``: ``(engine, optimizer, dataloader, lr_scheduler)``."""
-    if config is None and config_params is not None:
-        config = config_params
+    given = config if config is not None else config_params
     args_config = getattr(args, "deepspeed_config", None) if args is not None else None
-    if args_config is not None and config is not None:
+    if args_config is not None and given is not None:
         raise ValueError("config: given both as args.deepspeed_config and as the config argument; pass only one")
-    config = config if config is not None else args_config
-    if config is None:
+    given = given if given is not None else args_config
+    if given is None:
         raise ValueError("config: missing; pass config=<dict or JSON path> or args.deepspeed_config")
-    config_dict = load_config(config)
+    config_dict = load_config(given)
 
     if optimizer_type(config_dict) is None:
+        # Not ours: DeepSpeed gets the call exactly as it was made.
         import deepspeed
         forwarded = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                         dist_init_required=dist_init_required, collate_fn=collate_fn, config=config_dict, **kwargs)
+                         dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                         config_params=config_params, **kwargs)
         if distributed_port is not None:
             forwarded["distributed_port"] = distributed_port
         return deepspeed.initialize(**forwarded)

@@ -95,21 +95,23 @@ def step_lr_scheduler(lr_scheduler) -> None:
 
 
 def account_commit(result: JobResult, progress: Progress, loss_scale: LossScale, lr_scheduler, *,
-                   samples_of_commit: int, train_batch_size: int, follow_samples: bool) -> None:
+                   samples_of_commit: int, train_batch_size: int, follow_samples: bool,
+                   schedule_skipped: bool = False) -> None:
     """Advance counters, loss scale and LR schedule for one installed commit.
 
     ``samples_of_commit`` is added to ``global_samples`` (0 when samples are counted per micro-step).
     With ``follow_samples`` the LR schedule steps once per ``train_batch_size`` samples consumed
-    (dynamic accumulation), else once per applied update.
+    (dynamic accumulation), else once per applied update (and per skipped one too with
+    ``schedule_skipped``: CO2's replicas skip alone, yet must stay on one schedule).
     """
     progress.global_steps += 1
     progress.global_samples += samples_of_commit
     loss_scale.update(result.skipped)
     if result.skipped:
         progress.skipped_steps += 1
-        return
-    progress.applied_steps += 1
-    if lr_scheduler is None:
+    else:
+        progress.applied_steps += 1
+    if lr_scheduler is None or (result.skipped and not schedule_skipped):
         return
     if follow_samples:
         target = progress.global_samples // train_batch_size
@@ -335,10 +337,14 @@ class Schedule:
         for flat in self.flats:
             flat.install(flat.gather)
 
+    schedule_skipped_steps: ClassVar[bool] = False
+    """Whether the LR schedule also advances on a skipped update (see :func:`account_commit`)."""
+
     def _account_commit(self, result: JobResult) -> None:
         samples = result.global_micro_batches * self.micro_batch_size if self.dynamic_accumulation else 0
         account_commit(result, self.progress, self.loss_scale, self.lr_scheduler, samples_of_commit=samples,
-                       train_batch_size=self.train_batch_size, follow_samples=self.dynamic_accumulation)
+                       train_batch_size=self.train_batch_size, follow_samples=self.dynamic_accumulation,
+                       schedule_skipped=self.schedule_skipped_steps)
         if self.on_commit is not None:
             self.on_commit(result)
 
@@ -357,7 +363,8 @@ class Schedule:
         shadow = _detached_scheduler(self.lr_scheduler, self.optimizer) if self.lr_scheduler is not None else None
         samples = result.global_micro_batches * self.micro_batch_size if self.dynamic_accumulation else 0
         account_commit(result, progress, loss_scale, shadow, samples_of_commit=samples,
-                       train_batch_size=self.train_batch_size, follow_samples=self.dynamic_accumulation)
+                       train_batch_size=self.train_batch_size, follow_samples=self.dynamic_accumulation,
+                       schedule_skipped=self.schedule_skipped_steps)
         if shadow is not None:
             scheduler_state = shadow.state_dict()
             lrs = [group["lr"] for group in shadow.optimizer.param_groups]

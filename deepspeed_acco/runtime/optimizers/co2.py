@@ -189,6 +189,9 @@ class CO2(Schedule):
     Params = CO2Params
     Phase = Phase
     synchronous = True
+    # An inner step's non-finite check covers only its own group (no gradient crosses groups), so
+    # one replica may skip alone; its LR schedule still advances with the others'.
+    schedule_skipped_steps = True
 
     @classmethod
     def validate_config(cls, params: CO2Params, batch, world_size: int) -> None:
