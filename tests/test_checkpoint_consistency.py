@@ -169,12 +169,17 @@ def _cross_type_worker(rank, world_size, directory):
         engine, model = new_engine(make_config(source))
         feed(engine, model, rank, 0, save_at)
         engine.save_checkpoint(directory, tag=name)
+        committed_at_save = committed(engine, model)
         engine.destroy()
+        module = torch.load(os.path.join(directory, name, "mp_rank_00_model_states.pt"), map_location="cpu",
+                            weights_only=False)["module"]
+        saved_module = torch.cat([module[n].reshape(-1).float() for n, p in model.named_parameters() if p.requires_grad])
 
         engine, model = new_engine(make_config(target), seed=7)
         with recorded_reads() as names:
             engine.load_checkpoint(directory, tag=name)
-        result = {"files": optimizer_files_read(names),
+        result = {"files": optimizer_files_read(names), "committed_at_save": committed_at_save,
+                  "saved_module": saved_module,
                   "at_load": (probe.adamw_step_count(engine), engine.get_lr()[0], engine.global_steps)}
         feed(engine, model, rank, save_at, save_at + 2 * MORE_UPDATES)
         result["after"] = (probe.adamw_step_count(engine), engine.get_lr()[0], engine.global_steps)
@@ -241,6 +246,21 @@ def test_cross_type_load_continues_with_the_committed_step_and_lr(cross_type_res
         assert difference <= 1e-6, \
             f"rank {rank}: parameters {MORE_UPDATES} updates after the load differ from the uninterrupted {target} " \
             f"run by {difference}"
+
+
+@pytest.mark.slow
+def test_saved_module_weights_are_the_committed_parameters(cross_type_results):
+    """DeepSpeed's loader takes the module weights of mp_rank_00_model_states.pt as the parameters
+    its first step computes at (it does not refresh them from the fp32 partitions), as do tools
+    that read the model states. Saved while a commit is pending, they must be that commit's
+    parameters, not what the model held (ACCO's estimate, DPU's theta_t)."""
+    mismatches = []
+    for name, source, save_at, _ in CROSS_TYPE_CASES:
+        ours = cross_type_results[0][name]
+        difference = (ours["saved_module"] - ours["committed_at_save"]).abs().max().item()
+        if difference != 0:
+            mismatches.append(f"{name} ({source} after {save_at} micro-batches): max difference {difference:.3g}")
+    assert not mismatches, "saved module weights are not the committed parameters:\n" + "\n".join(mismatches)
 
 
 @pytest.mark.slow
@@ -412,6 +432,7 @@ KILLED_EXIT = -signal.SIGKILL
 
 
 def _latest_is_loadable(directory, world_size):
+    """``latest`` names a directory holding the model states and every rank's optimizer file."""
     try:
         with open(os.path.join(directory, "latest")) as handle:
             tag = handle.read().strip()
@@ -421,11 +442,58 @@ def _latest_is_loadable(directory, world_size):
     return all(os.path.isfile(os.path.join(directory, tag, name)) for name in names)
 
 
-def _resave_then_die(rank, world_size, port, directory, expected_path):
+def _watch_the_save(directory, snapshot_root, world_size):
+    """From now on, after every call that moves, deletes or opens for writing a file under
+    ``directory``: copy the directory as it is (what a crash at that instant would leave), and if
+    ``latest`` no longer names a complete checkpoint, SIGKILL this process right there."""
+    real = {"rename": os.rename, "replace": os.replace, "remove": os.remove, "unlink": os.unlink, "rmdir": os.rmdir,
+            "rmtree": shutil.rmtree, "open": builtins.open}
+    root = os.path.abspath(directory)
+    state = {"busy": False, "count": 0}
+
+    def after(description):
+        if state["busy"]:
+            return
+        state["busy"] = True
+        try:
+            state["count"] += 1
+            name = f"{state['count']:03d}"
+            shutil.copytree(root, os.path.join(snapshot_root, name), symlinks=True)
+            with real["open"](os.path.join(snapshot_root, "steps.txt"), "a") as log:
+                log.write(f"{name} {description}\n")
+            if not _latest_is_loadable(root, world_size):
+                os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            state["busy"] = False
+
+    def relative(path):
+        return os.path.relpath(os.path.abspath(os.fsdecode(path)), root)
+
+    def watched(name):
+        def call(*args, **kwargs):
+            outcome = real[name](*args, **kwargs)
+            after(f"{name} {' -> '.join(relative(a) for a in args[:2] if isinstance(a, (str, os.PathLike)))}")
+            return outcome
+        return call
+
+    def open_(file, mode="r", *args, **kwargs):
+        handle = real["open"](file, mode, *args, **kwargs)
+        if isinstance(file, (str, os.PathLike)) and any(flag in mode for flag in "wax+") \
+                and os.path.abspath(os.fsdecode(file)).startswith(root + os.sep):
+            after(f"open({mode}) {relative(file)}")
+        return handle
+
+    os.rename, os.replace, os.remove, os.unlink, os.rmdir = (watched(n) for n in ("rename", "replace", "remove",
+                                                                                  "unlink", "rmdir"))
+    shutil.rmtree = watched("rmtree")
+    builtins.open = open_
+
+
+def _resave_then_die(rank, world_size, port, directory, snapshot_root, expected_path):
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    config = make_config("ACCO", communication_timeout_s=10)
+    config = make_config("ACCO", communication_timeout_s=10)  # the survivor of a kill gives up soon
     engine, model = new_engine(config)
     feed(engine, model, rank, 0, 6)
     engine.save_checkpoint(directory, tag="ckpt")
@@ -435,52 +503,45 @@ def _resave_then_die(rank, world_size, port, directory, expected_path):
     if rank == 0:
         with open(expected_path, "wb") as handle:
             pickle.dump({"old": old, "new": new}, handle)
-
-        def crash_point(destination=None):
-            # Kill the rank the moment ``latest`` stops naming a complete checkpoint, or else right after
-            # the first directory (or link) is moved: the step that replaces the old checkpoint.
-            moved_directory = destination is not None and (os.path.isdir(destination) or os.path.islink(destination))
-            if moved_directory or not _latest_is_loadable(directory, world_size):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        def watched(real, moves):
-            def call(*args, **kwargs):
-                outcome = real(*args, **kwargs)
-                crash_point(args[1] if moves else None)
-                return outcome
-            return call
-
-        # Every call that moves or deletes files; checked after it, as a crash right then would leave it.
-        os.rename, os.replace = watched(os.rename, True), watched(os.replace, True)
-        os.remove, os.unlink, os.rmdir = (watched(os.remove, False), watched(os.unlink, False),
-                                          watched(os.rmdir, False))
-        shutil.rmtree = watched(shutil.rmtree, False)
+        _watch_the_save(directory, snapshot_root, world_size)
     engine.save_checkpoint(directory, tag="ckpt")  # replaces the existing tag
     os._exit(0)
 
 
-def _load_latest(rank, world_size, directory):
-    engine, model = new_engine(make_config("ACCO"), seed=9)
-    path, _ = engine.load_checkpoint(directory)
-    result = {"path": path, "loaded": committed(engine, model)}
-    feed(engine, model, rank, 10, 14)
-    result["continued"] = committed(engine, model)
-    engine.destroy()
-    return result
+def _load_latest(rank, world_size, directories):
+    results = {}
+    for directory in directories:
+        engine, model = new_engine(make_config("ACCO"), seed=9)
+        engine.load_checkpoint(directory)
+        results[directory] = {"loaded": committed(engine, model)}
+        feed(engine, model, rank, 10, 12)
+        results[directory]["continued"] = committed(engine, model)
+        engine.destroy()
+    return results
 
 
 @pytest.mark.slow
-def test_resaving_a_tag_killed_midway_leaves_latest_loadable(tmp_path):
+def test_resaving_a_tag_leaves_latest_loadable_at_every_instant(tmp_path):
+    """A crash at any instant of a re-save (simulated at each file move, delete or open-for-write by
+    copying the directory, and for real by a SIGKILL at the first instant that breaks ``latest``)
+    leaves ``latest`` naming a checkpoint that loads as the old or the new one."""
     expected_path = str(tmp_path / "expected.pkl")
-    directory = tmp_path / "checkpoints"
-    exit_codes = run_until_exit(_resave_then_die, 2, str(directory), expected_path, timeout_s=120)
-    assert exit_codes[0] == KILLED_EXIT, f"rank 0 was not killed in the middle of the re-save: {exit_codes}"
-    assert _latest_is_loadable(str(directory), 2), \
-        f"after a crash while re-saving, 'latest' names no complete checkpoint: {sorted(os.listdir(directory))}"
+    directory, snapshots = tmp_path / "checkpoints", tmp_path / "snapshots"
+    snapshots.mkdir()
+    exit_codes = run_until_exit(_resave_then_die, 2, str(directory), str(snapshots), expected_path, timeout_s=120)
+    steps = (snapshots / "steps.txt").read_text().splitlines() if (snapshots / "steps.txt").exists() else []
+    assert steps, f"the re-save touched no file under the checkpoint directory (exit codes {exit_codes})"
+    broken = [step for step in steps if not _latest_is_loadable(str(snapshots / step.split()[0]), 2)]
+    assert not broken, "a crash right after these steps of the re-save leaves 'latest' naming no complete " \
+                       "checkpoint:\n" + "\n".join(broken) + f"\n(all steps:\n" + "\n".join(steps) + ")"
+    assert exit_codes[0] in (0, KILLED_EXIT), exit_codes
+    assert _latest_is_loadable(str(directory), 2)
     with open(expected_path, "rb") as handle:
         expected = pickle.load(handle)
-    results = run_distributed(_load_latest, 2, str(directory))
-    for rank, result in enumerate(results):
-        assert torch.equal(result["loaded"], expected["old"]) or torch.equal(result["loaded"], expected["new"]), \
-            f"rank {rank} loaded neither the old nor the new checkpoint"
-        assert torch.isfinite(result["continued"]).all()
+    candidates = [str(directory)] + [str(snapshots / step.split()[0]) for step in steps]
+    results = run_distributed(_load_latest, 2, candidates)
+    for rank, rank_results in enumerate(results):
+        for candidate, result in rank_results.items():
+            assert torch.equal(result["loaded"], expected["old"]) or torch.equal(result["loaded"], expected["new"]), \
+                f"rank {rank}: {candidate} loaded neither the old nor the new checkpoint"
+            assert torch.isfinite(result["continued"]).all()
