@@ -386,8 +386,9 @@ def _dynamic_worker(rank, world_size, directory):
             result["eval_loss"] = total.item()
         if index == SAVE_AT:
             engine.save_checkpoint(directory, tag="dynamic", client_state={"cursor": index + 1})
-            result["saved"] = committed(engine, model)
+            # What is not in an installed commit now is in the checkpoint.
             result["installed_before_save"] = sum(count for _, count, _ in probe.commit_micro_batches(engine))
+            result["saved"] = committed(engine, model)
     result["first_run_steps"] = engine.global_steps
     engine.destroy()
 
