@@ -173,7 +173,8 @@ def _cross_type_worker(rank, world_size, directory):
         engine.destroy()
         module = torch.load(os.path.join(directory, name, "mp_rank_00_model_states.pt"), map_location="cpu",
                             weights_only=False)["module"]
-        saved_module = torch.cat([module[n].reshape(-1).float() for n, p in model.named_parameters() if p.requires_grad])
+        saved_module = torch.cat([module[n].reshape(-1).float() for n, p in model.named_parameters()
+                                  if p.requires_grad])
 
         engine, model = new_engine(make_config(target), seed=7)
         with recorded_reads() as names:
@@ -235,10 +236,11 @@ def test_cross_type_load_continues_with_the_committed_step_and_lr(cross_type_res
         ours = rank_results[name]
         step, lr, global_steps = ours["at_load"]
         assert (step, global_steps) == (committed_updates, committed_updates), \
-            f"rank {rank}: after loading, AdamW step {step} and global_steps {global_steps}; the checkpoint's masters " \
-            f"hold {committed_updates} committed updates"
+            f"rank {rank}: after loading, AdamW step {step} and global_steps {global_steps}; the checkpoint's " \
+            f"masters hold {committed_updates} committed updates"
         assert lr == pytest.approx(lr_at_load, rel=1e-12), \
-            f"rank {rank}: LR after loading {lr}, expected {lr_at_load} (the schedule after {committed_updates} updates)"
+            f"rank {rank}: LR after loading {lr}, expected {lr_at_load} (the schedule after {committed_updates} " \
+            f"updates)"
         step, lr, global_steps = ours["after"]
         assert (step, global_steps) == (committed_updates + MORE_UPDATES,) * 2, f"rank {rank}: {ours['after']}"
         assert lr == pytest.approx(sim.lr(), rel=1e-12), f"rank {rank}: LR {lr} after {MORE_UPDATES} more updates"

@@ -233,7 +233,8 @@ def test_precision_matrix_matches_fp32_master_simulation(results, kind, precisio
         for rank in range(1, WORLD_SIZE):
             assert torch.equal(get(results, name, rank)["holds"], ours["holds"]), f"{label}: ranks disagree"
         excess = ulp_excess(ours["holds"], sim_holds, dtype)
-        assert excess <= 0, f"{label}: the model holds values beyond one {precision} ulp of the simulation's (+{excess})"
+        assert excess <= 0, \
+            f"{label}: the model holds values beyond one {precision} ulp of the simulation's (+{excess})"
         excess = ulp_excess(ours["committed"], sim_committed, dtype)
         assert excess <= 0, f"{label}: committed parameters beyond one {precision} ulp of the simulation's (+{excess})"
         difference = (fp32_state(results, name) - sim_committed).abs().max().item()
