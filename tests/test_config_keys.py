@@ -1,0 +1,192 @@
+"""DeepSpeed config keys that our optimizer types accept and ignore (issue 10, "Config keys that are
+accepted and ignored"; DESIGN 6).
+
+A key that changes what a DeepSpeed user expects must be implemented or rejected with the usual
+``ValueError`` naming the key and the fix, before torch.distributed is initialised. Unknown
+top-level keys (a typo) get a warning that names the closest known key. Keys at their default
+values, and keys that only tune DeepSpeed's own machinery, stay accepted: HF / Accelerate write
+full configs, and a config that works with DeepSpeed ZeRO-1 must keep working when only the
+optimizer type changes.
+
+When a key below gets implemented, move its case out of the rejection lists and give it a test of
+its behaviour.
+"""
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deepspeed_acco
+from deepspeed_acco.config import parse_config
+
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "ACCO", "params": {"lr": 1e-3}},
+}
+
+
+def with_keys(optimizer_type="ACCO", **sections):
+    config = copy.deepcopy(BASE)
+    config["optimizer"]["type"] = optimizer_type
+    config.update(copy.deepcopy(sections))
+    return config
+
+
+def assert_rejected(config, key):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError) as error:
+        deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
+    message = str(error.value)
+    assert key in message, f"the message does not name {key!r}: {message}"
+    assert ";" in message, f"the message gives no fix: {message}"
+    assert not dist.is_initialized(), "validation must happen before torch.distributed is initialised"
+
+
+# ---- NOT IMPLEMENTED YET: compressed communication (DESIGN 7, "Compressed communication") -----
+# DeepSpeed's ZeRO++ keys. Until the engine implements int8 quantised reduce-scatter / all-gather,
+# turning them on must fail loudly instead of silently communicating full precision. When it is
+# implemented, replace these cases with tests of the quantised communication.
+QUANTIZED_COMMUNICATION = [
+    ("zero_quantized_gradients", {"stage": 1, "zero_quantized_gradients": True}),
+    ("zero_quantized_weights", {"stage": 1, "zero_quantized_weights": True}),
+]
+
+
+@pytest.mark.parametrize("optimizer_type", ["ShardedAdamW", "DPU", "ACCO", "CO2"])
+@pytest.mark.parametrize("key, zero", QUANTIZED_COMMUNICATION, ids=[case[0] for case in QUANTIZED_COMMUNICATION])
+def test_quantized_communication_is_rejected_until_implemented(optimizer_type, key, zero):
+    assert_rejected(with_keys(optimizer_type, zero_optimization=zero), f"zero_optimization.{key}")
+# ---- end of NOT IMPLEMENTED YET ------------------------------------------------------------
+
+
+# Top-level keys DeepSpeed 0.19 itself rejects as removed features (its
+# ``_REMOVED_TOP_LEVEL_CONFIG_KEYS``): a job that switches to our types must not start training
+# without the feature it asked for.
+REMOVED_BY_DEEPSPEED = [
+    ("amp", {"enabled": True, "opt_level": "O1"}),
+    ("nebula", {"enabled": True}),
+    ("compression_training", {"weight_quantization": {"shared_parameters": {"enabled": True}}}),
+    ("quantize_training", {"enabled": True}),
+    ("sparse_gradients", True),
+    ("eigenvalue", {"enabled": True}),
+    ("sparse_attention", {"mode": "fixed"}),
+    ("elasticity", {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2]}),
+    ("graph_harvesting", True),
+    ("curriculum_learning", {"enabled": True}),
+    ("progressive_layer_drop", {"enabled": True}),
+]
+
+
+@pytest.mark.parametrize("key, value", REMOVED_BY_DEEPSPEED, ids=[case[0] for case in REMOVED_BY_DEEPSPEED])
+def test_features_deepspeed_removed_are_rejected(key, value):
+    assert_rejected(with_keys(**{key: value}), key)
+
+
+# Keys that change the training math or what the job does, which our engine does not implement:
+# (the key the message must name, the config sections that turn it on).
+CHANGES_BEHAVIOUR = [
+    ("gradient_allreduce_op", {"gradient_allreduce_op": "sum"}),  # DeepSpeed sums instead of averaging
+    ("torch_autocast", {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}),
+    ("fp16.auto_cast", {"fp16": {"enabled": True, "auto_cast": True}}),
+    ("fp16.consecutive_hysteresis", {"fp16": {"enabled": True, "consecutive_hysteresis": True}}),
+    ("fp16.fp16_master_weights_and_grads", {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}),
+    ("bf16.bf16_master_weights_and_grads", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}),
+    ("bf16.bf16_optimizer_states", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                             "bf16_optimizer_states": True}}),
+    ("data_types.grad_accum_dtype", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}),
+    ("zero_optimization.cpu_offload", {"zero_optimization": {"stage": 1, "cpu_offload": True}}),  # legacy offload
+    ("zero_optimization.zero_hpz_partition_size", {"zero_optimization": {"stage": 1, "zero_hpz_partition_size": 2}}),
+    ("checkpoint.load_universal", {"checkpoint": {"load_universal": True}}),
+    ("tensor_parallel", {"tensor_parallel": {"autotp_size": 2}}),
+    ("sequence_parallel_size", {"sequence_parallel_size": 2}),
+]
+
+
+@pytest.mark.parametrize("key, sections", CHANGES_BEHAVIOUR, ids=[case[0] for case in CHANGES_BEHAVIOUR])
+def test_behaviour_changing_keys_are_rejected_unless_implemented(key, sections):
+    assert_rejected(with_keys(**sections), key)
+
+
+# A config as HF / Accelerate write it for ZeRO-1: every key at its default or only tuning
+# DeepSpeed's machinery. It must be accepted, with no unknown-key warning.
+FULL_DEFAULTS = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "ACCO", "params": {"lr": 1e-3}},
+    "gradient_clipping": 1.0,
+    "steps_per_print": 100,
+    "wall_clock_breakdown": False,
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "gradient_allreduce_op": "mean",
+    "communication_data_type": "fp32",
+    "fp16": {"enabled": False, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 16,
+             "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1},
+    "bf16": {"enabled": False},
+    "torch_autocast": {"enabled": False},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "zero_optimization": {"stage": 1, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                          "contiguous_gradients": True, "round_robin_gradients": False,
+                          "zero_quantized_gradients": False, "zero_quantized_weights": False,
+                          "offload_optimizer": {"device": "none"}},
+    "checkpoint": {"load_universal": False},
+    "zero_allow_untested_optimizer": True,
+    "flops_profiler": {"enabled": False},
+    "activation_checkpointing": {"partition_activations": False},
+    "tensorboard": {"enabled": False},
+    "csv_monitor": {"enabled": False},
+    "comms_logger": {"enabled": False},
+    "dataloader_drop_last": False,
+    "memory_breakdown": False,
+}
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def parse_and_collect_warnings(config):
+    """Parse ``config`` for two ranks; return every warning raised or logged meanwhile."""
+    handler = _Messages()
+    loggers = [logging.getLogger(), logging.getLogger("deepspeed_acco"), logging.getLogger("DeepSpeed")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            parse_config(config, world_size=2)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    return [str(w.message) for w in caught] + handler.messages
+
+
+def test_keys_at_their_defaults_are_accepted_without_warnings():
+    messages = parse_and_collect_warnings(FULL_DEFAULTS)
+    unknown = [m for m in messages if "unknown" in m.lower() or "did you mean" in m.lower()]
+    assert not unknown, unknown
+
+
+def test_a_misspelt_top_level_key_warns_with_the_closest_known_key():
+    config = with_keys(gradient_clippping=0.5)
+    messages = parse_and_collect_warnings(config)
+    naming = [m for m in messages if "gradient_clippping" in m and "gradient_clipping" in m.replace(
+        "gradient_clippping", "")]
+    assert naming, f"no warning names the misspelt key and 'gradient_clipping': {messages}"
+    # Another typo, another suggestion: the warning is computed, not canned.
+    messages = parse_and_collect_warnings(with_keys(train_micro_batch_size_per_gp=2))
+    assert any("train_micro_batch_size_per_gp" in m and "train_micro_batch_size_per_gpu" in m for m in messages), \
+        messages
