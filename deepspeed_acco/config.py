@@ -182,25 +182,22 @@ TOP_LEVEL_KEYS: Dict[str, Callable[[str, Any], None]] = {
     # no effect on our optimizers' results: DeepSpeed-internal knobs, or read by the user's model code
     **{key: _accept for key in (
         "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
-        "sparse_attention", "aio", "autotuning", "disable_python_gc", "log_level", "vocabulary_size",
-        "legacy_fusion", "timers", "graph_harvesting", "use_node_local_storage", "checkpoint_config")},
+        "aio", "autotuning", "disable_python_gc", "log_level", "vocabulary_size", "legacy_fusion", "timers",
+        "use_node_local_storage", "checkpoint_config", "use_data_before_expert_parallelism",
+        "seq_parallel_communication_data_type")},
     "checkpoint": lambda key, value: _check_checkpoint_section(key, value),
     # DeepSpeed features that change training and that our engine does not implement
-    "amp": _reject_when(_section_enabled, "use \"bf16\" or \"fp16\" mixed precision instead of amp"),
     "torch_autocast": _reject_when(_section_enabled, "use \"bf16\" or \"fp16\" instead of torch_autocast"),
-    "compression_training": _reject_when(_truthy, _OFF),
     "data_efficiency": _reject_when(_section_enabled, _OFF),
-    "curriculum_learning": _reject_when(_section_enabled, _OFF),
-    "progressive_layer_drop": _reject_when(_section_enabled, _OFF),
-    "eigenvalue": _reject_when(_section_enabled, _OFF),
     "hybrid_engine": _reject_when(_section_enabled, _OFF),
-    "quantize_training": _reject_when(_section_enabled, _OFF),
     "weight_quantization": _reject_when(_truthy, _OFF),
-    "elasticity": _reject_when(_section_enabled, "set the batch sizes explicitly instead of elasticity"),
     "compile": _reject_when(_section_enabled, "call torch.compile on your model before initialize instead"),
-    "nebula": _reject_when(_section_enabled, "remove it: our checkpoints are written by the engine itself"),
     "pipeline": _reject_when(_truthy, "pipeline parallelism is not supported; remove the section"),
-    "sparse_gradients": _reject_when(_truthy, "set it to false: our gradients are dense flat buffers"),
+    "tensor_parallel": _reject_when(lambda v: isinstance(v, dict) and any(
+        v.get(k, 1) not in (0, 1) for k in ("autotp_size", "tp_size")), "tensor parallelism is not supported; "
+        "remove the section (our optimizers are data-parallel only)"),
+    "gradient_allreduce_op": _reject_when(lambda v: str(v).lower() not in ("mean", "avg", "average"),
+                                          "set it to \"mean\": every update averages the micro-batches' gradients"),
     "prescale_gradients": _reject_when(_truthy, "set it to false: our jobs average after the reduce-scatter, "
                                        "in fp32 unless communication_data_type says otherwise"),
     "gradient_predivide_factor": _reject_when(lambda v: v != 1.0, "set it to 1.0 (our jobs average after the "
@@ -219,10 +216,26 @@ TOP_LEVEL_KEYS: Dict[str, Callable[[str, Any], None]] = {
 # Keys that DeepSpeed itself knows; an unknown key outside this set and TOP_LEVEL_KEYS is warned
 # about with the closest match. Kept as data: the names DeepSpeed 0.19 reads at the top level.
 _OTHER_DEEPSPEED_KEYS = (
-    "gradient_allreduce_op", "use_data_before_expert_parallelism", "seq_parallel_communication_data_type",
-    "zero_optimization_stage", "memory_efficient_linear", "monitor_config", "csv_monitor", "dataloader_drop_last",
-    "checkpoint_parallel_write_pipeline", "random_ltd", "data_sampling", "pld_enabled", "pld_params",
+    "zero_optimization_stage", "memory_efficient_linear", "monitor_config", "checkpoint_parallel_write_pipeline",
+    "random_ltd", "data_sampling", "managed_gradient_accumulation", "datastates_ckpt",
 )
+
+# Features DeepSpeed 0.19 removed and refuses at any value (its _REMOVED_TOP_LEVEL_CONFIG_KEYS):
+# a job that switches to our types must not start without the feature it asked for either.
+REMOVED_BY_DEEPSPEED = ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients",
+                        "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning",
+                        "progressive_layer_drop")
+REMOVED_ZERO_KEYS_BY_DEEPSPEED = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
+
+
+def _removed_keys():
+    """DeepSpeed's own tables of removed keys when it has them, else ours (the same in 0.19)."""
+    try:
+        from deepspeed.runtime import config as deepspeed_config
+        return (tuple(deepspeed_config._REMOVED_TOP_LEVEL_CONFIG_KEYS),
+                tuple(deepspeed_config._REMOVED_ZERO_CONFIG_KEYS))
+    except (ImportError, AttributeError):
+        return REMOVED_BY_DEEPSPEED, REMOVED_ZERO_KEYS_BY_DEEPSPEED
 
 _ZERO_ACCEPTED = {
     "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
@@ -257,6 +270,15 @@ def _closest(key: str, candidates) -> str:
 
 def check_top_level_keys(config: Dict[str, Any]) -> None:
     """Reject unsupported features; warn about unknown keys, naming the closest known one."""
+    removed, removed_zero = _removed_keys()
+    for key in removed:
+        if key in config:
+            raise config_error(key, "DeepSpeed removed this feature and our optimizer types do not implement it",
+                               "remove the key from the config")
+    zero = config.get("zero_optimization")
+    for key in removed_zero:
+        if isinstance(zero, dict) and key in zero:
+            raise config_error(f"zero_optimization.{key}", "DeepSpeed removed this feature", "remove the key")
     known = set(TOP_LEVEL_KEYS) | set(_OTHER_DEEPSPEED_KEYS)
     for key, value in config.items():
         check = TOP_LEVEL_KEYS.get(key)
@@ -326,7 +348,36 @@ def _parse_fp16(section: Dict[str, Any]) -> Dict[str, Any]:
         raise config_error("fp16.hysteresis", "must be >= 1", "use e.g. 2")
     if section.get("auto_cast"):
         raise config_error("fp16.auto_cast", "auto-casting inputs is not supported", "cast the inputs yourself")
+    if section.get("consecutive_hysteresis"):
+        raise config_error("fp16.consecutive_hysteresis", "refilling the hysteresis after every clean update is not "
+                           "implemented", "set it to false (DeepSpeed's default)")
+    if section.get("fp16_master_weights_and_grads"):
+        raise config_error("fp16.fp16_master_weights_and_grads", "our masters and optimizer state are always fp32",
+                           "set it to false")
+    _warn_unknown("fp16", section, _FP16_KEYS)
     return options
+
+
+_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads", "loss_scale_profile"}
+_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+              "bf16_optimizer_states"}
+
+
+def _warn_unknown(section_name: str, section: Dict[str, Any], known) -> None:
+    for key in sorted(set(section) - set(known)):
+        closest = _closest(key, known)
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        logger.warning("deepspeed_acco config: unknown key %s.%s is ignored%s", section_name, key, hint)
+
+
+def _check_bf16(section: Any) -> None:
+    if not isinstance(section, dict):
+        return
+    for key in ("bf16_optimizer_states", "bf16_master_weights_and_grads"):
+        if section.get(key):
+            raise config_error(f"bf16.{key}", "our masters and optimizer state are always fp32", "set it to false")
+    _warn_unknown("bf16", section, _BF16_KEYS)
 
 
 def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
@@ -346,6 +397,7 @@ def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
     batch = resolve_batch_sizes(config, world_size)
     schedule_class.validate_config(params, batch, world_size)
 
+    _check_bf16(config.get("bf16", config.get("bfloat16")))
     bf16 = _enabled(config.get("bf16", config.get("bfloat16")), "bf16")
     fp16 = _enabled(config.get("fp16"), "fp16")
     if bf16 and fp16:

@@ -29,7 +29,7 @@ def committed_fp32_fragments(engine) -> Dict[str, List[Tuple[int, torch.Tensor]]
     drain(engine)
     names = {id(p): name for name, p in engine.module.named_parameters()}
     optimizer = engine.optimizer
-    if engine.config.optimizer_type == "CO2":
+    if engine.engine_config.optimizer_type == "CO2":
         pieces = [(outer.shard_offset, outer.anchor) for outer in engine.schedule.outers]
     else:
         pieces = [(flat.shard_offset, shard.master) for flat, shard in zip(optimizer.flats, optimizer.shards)]
@@ -64,7 +64,7 @@ def assemble(fragments_by_rank, model: torch.nn.Module) -> torch.Tensor:
 def adamw_step_count(engine) -> int:
     """The AdamW step count of the next update minus one (bias correction), our engine or DeepSpeed's."""
     if hasattr(engine, "schedule"):  # ours
-        return int(engine.optimizer.applied_steps)
+        return int(engine.schedule.progress.applied_steps)
     # DeepSpeed ZeRO-1: the wrapped torch optimizer's per-parameter state.
     base = engine.optimizer.optimizer
     steps = {int(state["step"].item() if torch.is_tensor(state["step"]) else state["step"])
@@ -75,7 +75,7 @@ def adamw_step_count(engine) -> int:
 
 def loss_scale(engine) -> float:
     """The fp16 loss scale the next backward uses."""
-    return float(engine.loss_scaler.cur_scale)
+    return float(engine.schedule.loss_scale.scale)
 
 
 def acco_half(engine) -> str:
@@ -110,7 +110,7 @@ def partial_round_micro_batches(engine) -> int:
 def poison_outer_reduce_scatter(engine, call_index: int) -> None:
     """CO2: make this rank's ``call_index``-th (0-based) outer reduce-scatter return NaN, so that
     the outer round's mean parameters are non-finite on every rank."""
-    communicator = engine.communicator
+    communicator = engine.schedule.outer_communicator
     original = communicator.reduce_scatter
     calls = {"n": 0}
 

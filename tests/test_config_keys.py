@@ -158,7 +158,7 @@ class _Messages(logging.Handler):
 def parse_and_collect_warnings(config):
     """Parse ``config`` for two ranks; return every warning raised or logged meanwhile."""
     handler = _Messages()
-    loggers = [logging.getLogger(), logging.getLogger("deepspeed_acco"), logging.getLogger("DeepSpeed")]
+    loggers = [logging.getLogger(), logging.getLogger("DeepSpeed.acco"), logging.getLogger("DeepSpeed")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)

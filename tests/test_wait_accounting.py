@@ -23,7 +23,7 @@ from reference_sim import TinyNet, batch, loss_fn, param_groups
 MICRO_BATCH, ACCUMULATION = 4, 2
 SLOW_RANK_DELAY_S = 0.05
 NUM_MICRO_BATCHES = 16
-WAIT_PER_ROUND = re.compile(r"wait per round: mean ([0-9.]+) ms")
+WAIT_PER_ROUND = re.compile(r"wait per boundary: mean ([0-9.]+) ms")
 
 
 def make_config(kind, **params):
@@ -55,7 +55,7 @@ class _Messages(logging.Handler):
 def _run(rank, config, poison_call):
     import deepspeed_acco
     handler = _Messages()
-    logger = logging.getLogger("deepspeed_acco")
+    logger = logging.getLogger("DeepSpeed.acco")
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)  # the progress report (and its wait per round) is logged at INFO
