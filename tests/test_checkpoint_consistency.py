@@ -18,7 +18,6 @@
 """
 import builtins
 import contextlib
-import math
 import os
 import pickle
 import shutil
@@ -317,19 +316,19 @@ def _elastic_worker(rank, world_size, directory, phase):
     return result
 
 
-def _padded(numel, world_size):
-    alignment = 2 * world_size  # DeepSpeed ZeRO-1's padding (DESIGN 5: shards line up with DeepSpeed's)
-    return math.ceil(numel / alignment) * alignment
-
-
 def _overlapping_saved_ranks(rank, world_size, saved_world_size):
-    """The saved ranks whose shard of some parameter group overlaps this rank's new shard."""
+    """The saved ranks whose shard of some parameter group overlaps this rank's new shard.
+
+    The files hold DeepSpeed's partitions (padding to 2 x world size); the engine's own shards are
+    padded to 64-byte boundaries (docs/design.md, section 5).
+    """
+    from deepspeed_acco.runtime.flat import aligned_geometry, deepspeed_geometry
     model = TinyNet(0)
     needed = set()
     for group in param_groups(model, True, WEIGHT_DECAY):
         numel = sum(p.numel() for p in group["params"] if p.requires_grad)
-        new = _padded(numel, world_size) // world_size
-        old = _padded(numel, saved_world_size) // saved_world_size
+        new = aligned_geometry(numel, world_size).shard_numel
+        old = deepspeed_geometry(numel, saved_world_size).shard_numel
         low, high = rank * new, min((rank + 1) * new, numel)
         needed |= {saved for saved in range(saved_world_size) if saved * old < high and (saved + 1) * old > low}
     return needed

@@ -491,8 +491,13 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_module_stric
 
 
 def _own(files: _SavedFiles, engine, saved_world_size: int) -> Dict:
-    """This rank's file at the same world size, else the first file (plain data is the same on every rank)."""
-    return files[engine.global_rank if saved_world_size == engine.world_size else 0]
+    """This rank's file at the same world size; after a re-shard, a file this rank reads for its shard
+    anyway (the plain data in it, param groups and counters, is the same in every rank's file)."""
+    if saved_world_size == engine.world_size:
+        return files[engine.global_rank]
+    numel = engine.optimizer.flats[0].numel
+    start = min(engine.global_rank * _our_shard_numel(engine, numel), numel - 1)
+    return files[min(start // deepspeed_geometry(numel, saved_world_size).shard_numel, saved_world_size - 1)]
 
 
 def _check_compatible(engine, model_states: Dict, files: _SavedFiles, saved_world_size: int, same_type: bool) -> None:

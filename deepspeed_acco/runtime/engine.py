@@ -213,9 +213,11 @@ class AccoEngine(torch.nn.Module):
         """Finish the job in flight (unless the pipeline failed) and stop the communication lane."""
         if self.lane.closed:
             return
-        if self._failure is None and self.schedule.running is not None:
+        if self._failure is None and (self.schedule.running is not None or self.schedule.dynamic_accumulation):
             try:
-                self.schedule.drain()
+                # With dynamic accumulation a peer may have launched one more job than this rank
+                # at the same iteration; synchronize() brings both to the same job first.
+                self.schedule.synchronize()
             except Exception as error:  # already failing: report, but let shutdown proceed
                 self._failure = error
                 logger.warning("communication job failed during shutdown: %s", error)
