@@ -557,3 +557,49 @@ def test_resaving_a_tag_leaves_latest_loadable_at_every_instant(tmp_path):
             assert torch.equal(result["loaded"], expected["old"]) or torch.equal(result["loaded"], expected["new"]), \
                 f"rank {rank}: {candidate} loaded neither the old nor the new checkpoint"
             assert torch.isfinite(result["continued"]).all()
+
+
+def test_replacing_a_tag_without_renameat2_recovers_the_retired_directory(tmp_path, monkeypatch):
+    """Where the filesystem cannot exchange two directories atomically, a save retires the old
+    directory first; a crash before the new one is in place leaves the retired one, which loading
+    then uses (layer 1: no processes, the directory moves only)."""
+    from deepspeed_acco.runtime import checkpoint
+    save_dir = str(tmp_path)
+    for name, marker in (("tag", "old"), (".tag.staging", "new")):
+        os.makedirs(os.path.join(save_dir, name))
+        with open(os.path.join(save_dir, name, checkpoint.MODEL_STATES_NAME), "w") as handle:
+            handle.write(marker)
+    monkeypatch.setattr(checkpoint, "_exchange_directories", lambda first, second: False)
+    renames = {"count": 0}
+    real_rename = os.rename
+
+    def crash_on_second_rename(source, destination):
+        renames["count"] += 1
+        if renames["count"] == 2:
+            raise KeyboardInterrupt("crash between retiring the old directory and renaming the new one")
+        real_rename(source, destination)
+
+    monkeypatch.setattr(checkpoint.os, "rename", crash_on_second_rename)
+    final, retired = os.path.join(save_dir, "tag"), checkpoint._retired_name(save_dir, "tag")
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._replace_directory(os.path.join(save_dir, ".tag.staging"), final, retired)
+    assert not os.path.exists(final)
+    resolved = checkpoint._resolve_directory(save_dir, "tag")
+    with open(os.path.join(resolved, checkpoint.MODEL_STATES_NAME)) as handle:
+        assert handle.read() == "old", "the interrupted save must leave the previous checkpoint loadable"
+    # Without the crash the new directory replaces the old one and nothing is left behind.
+    monkeypatch.setattr(checkpoint.os, "rename", real_rename)
+    checkpoint._replace_directory(os.path.join(save_dir, ".tag.staging"), final, retired)
+    with open(os.path.join(checkpoint._resolve_directory(save_dir, "tag"), checkpoint.MODEL_STATES_NAME)) as handle:
+        assert handle.read() == "new"
+    assert not os.path.exists(retired)
+
+
+def test_renameat2_exchange_swaps_two_directories(tmp_path):
+    from deepspeed_acco.runtime import checkpoint
+    for name in ("a", "b"):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "marker").write_text(name)
+    if not checkpoint._exchange_directories(str(tmp_path / "a"), str(tmp_path / "b")):
+        pytest.skip("this filesystem or OS has no renameat2(RENAME_EXCHANGE); saves use the retire-and-rename path")
+    assert (tmp_path / "a" / "marker").read_text() == "b" and (tmp_path / "b" / "marker").read_text() == "a"

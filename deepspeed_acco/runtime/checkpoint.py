@@ -110,6 +110,7 @@ def _replace_directory(staging: str, final: str, retired: str) -> None:
     """Make ``staging`` the tag's directory; the old one (if any) is removed afterwards."""
     if not os.path.exists(final):
         os.rename(staging, final)
+        shutil.rmtree(retired, ignore_errors=True)  # left by an interrupted earlier save, if any
         return
     if _exchange_directories(staging, final):
         shutil.rmtree(staging, ignore_errors=True)  # now holds the old checkpoint
