@@ -110,8 +110,10 @@ def test_co2_inner_steps_count_in_communication_wait(results):
     assert co2["global_steps"] == sharded["global_steps"] == NUM_MICRO_BATCHES // ACCUMULATION
     expected_s = NUM_MICRO_BATCHES * SLOW_RANK_DELAY_S
     assert sharded["wait_s"] >= 0.5 * expected_s, f"the slow rank did not make ShardedAdamW wait: {sharded['wait_s']}"
-    assert co2["wait_s"] >= 0.5 * sharded["wait_s"], \
-        f"CO2 (group of 2) reports {co2['wait_s']:.3f} s waited, ShardedAdamW {sharded['wait_s']:.3f} s"
+    # Against the known delay, not ShardedAdamW's figure: on a loaded machine the slow rank's
+    # compute stretches too, and by different amounts in the two runs.
+    assert co2["wait_s"] >= 0.5 * expected_s, \
+        f"CO2 (group of 2) reports {co2['wait_s']:.3f} s waited; the slow rank slept {expected_s:.3f} s"
 
 
 @pytest.mark.slow
