@@ -26,7 +26,9 @@ namespace {
 constexpr int64_t kMinValuesPerThread = 1 << 15;
 // Software prefetch distance in values (2 KB of fp32), as in acco_cpu_kernels.cpp.
 constexpr int64_t kPrefetchValues = 512;
-constexpr float kFloatMax = std::numeric_limits<float>::max();
+// Blocks with a magnitude this large (or inf, or NaN) are sent as NaN: 127 * (absmax / 127) may
+// round past FLT_MAX above it, which would turn a finite value into inf and poison the residual.
+constexpr float kOverflowMagnitude = 0x1p127f;
 constexpr float kInfinity = std::numeric_limits<float>::infinity();
 
 enum class Source { kPlain, kFeedback, kDelta };
@@ -169,7 +171,7 @@ inline void quantize_block(const float* __restrict input, float* __restrict resi
         }
         values[i] = v;
         const float magnitude = std::fabs(v);
-        nonfinite |= !(magnitude <= kFloatMax);  // inf and NaN
+        nonfinite |= !(magnitude < kOverflowMagnitude);  // also inf and NaN
         absmax = absmax > magnitude ? absmax : magnitude;
     }
     const int64_t code_bytes = kBits == 8 ? n : (n + 1) / 2;
@@ -292,8 +294,7 @@ void dequantize_sum_blocks(const uint8_t* packed, int64_t num_chunks, const floa
         int64_t first_row = 0;
         if constexpr (kHasBase) {
             prefetch_values(base, sizeof(float), start, false);
-#pragma omp simd
-            for (int64_t i = 0; i < n; ++i) sum[i] = base[start + i];
+            std::memcpy(sum, base + start, static_cast<size_t>(n) * sizeof(float));
         } else {
             dequantize_block<kBits, false>(packed + code_offset, load_scale(packed, block), n, sum);
             first_row = 1;
@@ -302,8 +303,7 @@ void dequantize_sum_blocks(const uint8_t* packed, int64_t num_chunks, const floa
             const uint8_t* row = packed + k * layout.chunk_bytes;
             dequantize_block<kBits, true>(row + code_offset, load_scale(row, block), n, sum);
         }
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) out[start + i] = sum[i];
+        std::memcpy(out + start, sum, static_cast<size_t>(n) * sizeof(float));
     }
 }
 

@@ -29,7 +29,8 @@ constexpr int kWarpSize = 32;
 constexpr int kBlockThreads = 256;
 constexpr int kMaxValuesPerLane = kMaxBlockSize / kWarpSize;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
-constexpr float kFloatMax = 3.402823466e+38f;
+// Blocks with a magnitude this large (or inf, or NaN) are sent as NaN (see acco_quant.h).
+constexpr float kOverflowMagnitude = 0x1p127f;
 constexpr int kMaxDevices = 64;
 
 enum class Source { kPlain, kFeedback, kDelta };
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(kBlockThreads)
                 }
                 values[k] = v;
                 const float magnitude = fabsf(v);
-                nonfinite |= !(magnitude <= kFloatMax);
+                nonfinite |= !(magnitude < kOverflowMagnitude);
                 absmax = fmaxf(absmax, magnitude);
             }
         }

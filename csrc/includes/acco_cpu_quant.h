@@ -17,7 +17,7 @@ namespace cpu {
 
 // Quantises v = input (+ residual, when residual is not null) block by block into `packed`; with
 // a residual, also writes residual <- v - dequantised(v) (error feedback). A block holding a
-// non-finite v gets scale NaN, zero codes, and keeps its residual.
+// non-finite v (or |v| >= 2^127) gets scale NaN, zero codes, and keeps its residual.
 void quantize(const float* input, float* residual, uint8_t* packed, int64_t num_chunks, const QuantChunkLayout& layout,
               int num_threads);
 

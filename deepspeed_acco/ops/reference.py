@@ -76,14 +76,17 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
 # -max_code, max_code); the value it stands for is code * scale. Special blocks:
 # * absmax == 0, or so small that inv overflows to inf: scale 0 and codes 0 (the values stay in
 #   the error-feedback residual);
-# * any inf or NaN in the block: scale NaN and codes 0, so the block dequantises to NaN and the
-#   non-finite check of whoever sums it fires; the residual of such a block is left unchanged.
+# * any inf or NaN in the block, or a magnitude >= 2^127 (above it code * scale could round past
+#   FLT_MAX and turn a finite value into inf): scale NaN and codes 0, so the block dequantises to
+#   NaN and the non-finite check of whoever sums it fires; the residual of such a block is left
+#   unchanged, so later steps are not poisoned.
 # Packed chunk: [num_blocks fp32 scales][codes: n int8, or ceil(n / 2) bytes of two int4 with
 # element 2j in the low nibble][zero padding to a multiple of PACKED_ALIGN_BYTES]. Several chunks
 # of equal length are the rows of one 2-D uint8 tensor.
 
 QUANT_MAX_CODE = {8: 127, 4: 7}
 PACKED_ALIGN_BYTES = 16
+QUANT_OVERFLOW_MAGNITUDE = 2.0**127
 
 
 def quant_num_blocks(numel: int, block_size: int) -> int:
@@ -109,15 +112,16 @@ def quantize_values(values: torch.Tensor, *, bits: int, block_size: int):
     """Quantises each row of ``values`` ([rows, n] fp32) as one chunk.
 
     Returns (codes [rows, n] as float, scales [rows, num_blocks], dequantised [rows, n],
-    nonfinite [rows, n] bool: the element's block held an inf or NaN).
+    nonfinite [rows, n] bool: the element's block held an inf, a NaN or a magnitude >= 2^127).
     """
     rows, numel = values.shape
     num_blocks = quant_num_blocks(numel, block_size)
     blocks = values.new_zeros(rows, num_blocks * block_size)
     blocks[:, :numel] = values
     blocks = blocks.view(rows, num_blocks, block_size)
-    nonfinite = ~torch.isfinite(blocks).all(dim=2)
-    absmax = blocks.abs().amax(dim=2)
+    magnitudes = blocks.abs()
+    nonfinite = ~(magnitudes < QUANT_OVERFLOW_MAGNITUDE).all(dim=2)  # NaN compares false
+    absmax = magnitudes.amax(dim=2)
     max_code = torch.full_like(absmax, QUANT_MAX_CODE[bits])
     # Tensor / tensor is an IEEE division on every device (a Python scalar divisor would be
     # turned into a multiplication by its reciprocal on CUDA).
