@@ -11,6 +11,13 @@
 //
 // padded with zero bytes to a multiple of kPackedAlignBytes, so that chunks packed back to back
 // keep their scales aligned. Several chunks of equal length are packed as rows of one buffer.
+//
+// Rounding: scale = absmax / max_code and inv = max_code / absmax (IEEE fp32 divisions); code =
+// clamp(round_half_to_even(v * inv), -max_code, max_code); a code stands for code * scale. A block
+// whose absmax is 0, or so small that inv overflows, gets scale 0 and zero codes. A block holding
+// an inf, a NaN or a magnitude >= 2^127 (where code * scale could round past FLT_MAX) gets scale
+// NaN and zero codes: it dequantises to NaN, so a non-finite gradient is never silently sent as
+// finite numbers.
 #pragma once
 
 #include <cstdint>
