@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "acco_cpu_quant.h"
 
@@ -149,17 +150,38 @@ void parallel_items(int64_t num_items, int64_t values_per_item, int num_threads,
     }
 }
 
-// One quantisation block of n values (n <= block size). `held` is only read for kDelta,
-// `residual` only for kFeedback.
-template <int kBits, Source kSource, HeldKind kHeld>
+// Calls fn(std::integral_constant<int, block_size>{}) for the supported block sizes, so that
+// full blocks are loops of a compile-time length (fully vectorised, no remainder handling).
+template <typename Fn>
+void with_block_size(int64_t block_size, const Fn& fn) {
+    switch (block_size) {
+        case 32:
+            return fn(std::integral_constant<int, 32>{});
+        case 64:
+            return fn(std::integral_constant<int, 64>{});
+        case 128:
+            return fn(std::integral_constant<int, 128>{});
+        case 256:
+            return fn(std::integral_constant<int, 256>{});
+        default:
+            return fn(std::integral_constant<int, kMaxBlockSize>{});
+    }
+}
+
+// One quantisation block: kBlock values, or n (<= block size) when kBlock is 0 (a chunk's last,
+// shorter block). `held` is only read for kDelta, `residual` only for kFeedback.
+template <int kBits, Source kSource, HeldKind kHeld, int kBlock>
 inline void quantize_block(const float* __restrict input, float* __restrict residual,
-                           const typename HeldTraits<kHeld>::type* __restrict held, int64_t n,
+                           const typename HeldTraits<kHeld>::type* __restrict held, int64_t runtime_n,
                            uint8_t* __restrict codes, uint8_t* row, int64_t block) {
+    const int64_t n = kBlock > 0 ? kBlock : runtime_n;
     constexpr float kMaxCode = kBits == 8 ? 127.0f : 7.0f;
     alignas(64) float values[kMaxBlockSize];
-    float absmax = 0.0f;
-    int nonfinite = 0;
-#pragma omp simd reduction(max : absmax) reduction(| : nonfinite)
+    // The largest |v| as its bit pattern: for non-negative floats the integer order is the
+    // numeric order, and inf and NaN patterns are above every finite one, so one integer max
+    // finds both the absmax and any non-finite value.
+    uint32_t absmax_bits = 0;
+#pragma omp simd reduction(max : absmax_bits)
     for (int64_t i = 0; i < n; ++i) {
         float v;
         if constexpr (kSource == Source::kFeedback) {
@@ -170,10 +192,11 @@ inline void quantize_block(const float* __restrict input, float* __restrict resi
             v = input[i];
         }
         values[i] = v;
-        const float magnitude = std::fabs(v);
-        nonfinite |= !(magnitude < kOverflowMagnitude);  // also inf and NaN
-        absmax = absmax > magnitude ? absmax : magnitude;
+        const uint32_t magnitude_bits = float_to_bits(v) & 0x7FFFFFFFu;
+        absmax_bits = absmax_bits > magnitude_bits ? absmax_bits : magnitude_bits;
     }
+    const bool nonfinite = absmax_bits >= float_to_bits(kOverflowMagnitude);  // also inf and NaN
+    const float absmax = bits_to_float(absmax_bits);
     const int64_t code_bytes = kBits == 8 ? n : (n + 1) / 2;
     if (nonfinite) {
         // Sent as NaN, so the owner's sum is NaN and the job's non-finite check skips the update;
@@ -198,9 +221,9 @@ inline void quantize_block(const float* __restrict input, float* __restrict resi
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
             const float v = values[i];
-            // |v * inv| <= max_code up to two roundings, so the clamp never changes a result;
-            // it only guarantees a valid code.
-            const float q = std::min(std::max(std::nearbyint(v * inv), -kMaxCode), kMaxCode);
+            // No clamp needed: |v| <= absmax, so |v * inv| <= max_code * (1 + 2^-24) before the
+            // product's own rounding, which rounds to at most max_code (acco_quant.h).
+            const float q = std::nearbyint(v * inv);
             codes8[i] = static_cast<int8_t>(static_cast<int>(q));
             if constexpr (kSource == Source::kFeedback) residual[i] = v - q * scale;
         }
@@ -209,7 +232,7 @@ inline void quantize_block(const float* __restrict input, float* __restrict resi
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
             const float v = values[i];
-            const float q = std::min(std::max(std::nearbyint(v * inv), -kMaxCode), kMaxCode);
+            const float q = std::nearbyint(v * inv);
             quantized[i] = static_cast<int8_t>(static_cast<int>(q));
             if constexpr (kSource == Source::kFeedback) residual[i] = v - q * scale;
         }
@@ -221,7 +244,7 @@ inline void quantize_block(const float* __restrict input, float* __restrict resi
     }
 }
 
-template <int kBits, Source kSource, HeldKind kHeld>
+template <int kBits, Source kSource, HeldKind kHeld, int kBlock>
 void quantize_items(const float* input, float* residual, const void* held, uint8_t* packed,
                     const QuantChunkLayout& layout, int64_t item_begin, int64_t item_end) {
     using HeldT = typename HeldTraits<kHeld>::type;
@@ -237,9 +260,14 @@ void quantize_items(const float* input, float* residual, const void* held, uint8
         prefetch_values(input, sizeof(float), start, false);
         if constexpr (kSource == Source::kFeedback) prefetch_values(residual, sizeof(float), start, true);
         if constexpr (kSource == Source::kDelta) prefetch_values(held, sizeof(HeldT), start, false);
-        quantize_block<kBits, kSource, kHeld>(input + start, kSource == Source::kFeedback ? residual + start : nullptr,
-                                              kSource == Source::kDelta ? held_values + start : nullptr, n, codes,
-                                              row, block);
+        float* block_residual = kSource == Source::kFeedback ? residual + start : nullptr;
+        const HeldT* block_held = kSource == Source::kDelta ? held_values + start : nullptr;
+        if (n == kBlock) {
+            quantize_block<kBits, kSource, kHeld, kBlock>(input + start, block_residual, block_held, n, codes, row,
+                                                          block);
+        } else {
+            quantize_block<kBits, kSource, kHeld, 0>(input + start, block_residual, block_held, n, codes, row, block);
+        }
         if (block == layout.num_blocks - 1) {
             // Zero padding, so that packed buffers (and what goes on the wire) are deterministic.
             const int64_t used = layout.codes_offset + layout.code_bytes;
@@ -252,68 +280,94 @@ template <Source kSource, HeldKind kHeld>
 void quantize_dispatch(const float* input, float* residual, const void* held, uint8_t* packed, int64_t num_chunks,
                        const QuantChunkLayout& layout, int num_threads) {
     parallel_items(num_chunks * layout.num_blocks, layout.block_size, num_threads, [&](int64_t begin, int64_t end) {
-        if (layout.bits == 8) {
-            quantize_items<8, kSource, kHeld>(input, residual, held, packed, layout, begin, end);
-        } else {
-            quantize_items<4, kSource, kHeld>(input, residual, held, packed, layout, begin, end);
-        }
+        with_block_size(layout.block_size, [&](auto block_size) {
+            constexpr int kBlock = decltype(block_size)::value;
+            if (layout.bits == 8) {
+                quantize_items<8, kSource, kHeld, kBlock>(input, residual, held, packed, layout, begin, end);
+            } else {
+                quantize_items<4, kSource, kHeld, kBlock>(input, residual, held, packed, layout, begin, end);
+            }
+        });
     });
 }
 
-// Dequantises n values of one block into `values` (kAccumulate: adds them, one rounding each).
-template <int kBits, bool kAccumulate>
-inline void dequantize_block(const uint8_t* __restrict codes, float scale, int64_t n, float* __restrict values) {
+// Calls fn(i, code_i as float) for the n codes of one block, in a vectorised loop. int4 codes are
+// walked a byte (two codes) at a time; an odd last code is handled on its own.
+template <int kBits, typename Fn>
+inline void for_each_code(const uint8_t* __restrict codes, int64_t n, const Fn& fn) {
     if constexpr (kBits == 8) {
         const int8_t* codes8 = reinterpret_cast<const int8_t*>(codes);
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-            const float d = static_cast<float>(codes8[i]) * scale;
-            values[i] = kAccumulate ? values[i] + d : d;
-        }
+        for (int64_t i = 0; i < n; ++i) fn(i, static_cast<float>(codes8[i]));
     } else {
-        const int64_t num_bytes = (n + 1) / 2;  // values has room for an even count
+        const int64_t num_pairs = n / 2;
 #pragma omp simd
-        for (int64_t j = 0; j < num_bytes; ++j) {
-            const int8_t byte = static_cast<int8_t>(codes[j]);
-            const float low = static_cast<float>(static_cast<int8_t>(codes[j] << 4) >> 4) * scale;
-            const float high = static_cast<float>(byte >> 4) * scale;
-            values[2 * j] = kAccumulate ? values[2 * j] + low : low;
-            values[2 * j + 1] = kAccumulate ? values[2 * j + 1] + high : high;
+        for (int64_t j = 0; j < num_pairs; ++j) {
+            const uint8_t byte = codes[j];
+            fn(2 * j, static_cast<float>(static_cast<int8_t>(byte << 4) >> 4));  // sign-extended low nibble
+            fn(2 * j + 1, static_cast<float>(static_cast<int8_t>(byte) >> 4));
         }
+        if (n & 1) fn(n - 1, static_cast<float>(static_cast<int8_t>(codes[num_pairs] << 4) >> 4));
     }
 }
 
-template <int kBits, bool kHasBase>
+// One block of the sum: ((base + d_0) + d_1) + ..., each row added straight from the codes, the
+// running sum kept in an L1 buffer and the last row's addition written to out. `base` may be
+// `out` (each element is read before it is written).
+template <int kBits, bool kHasBase, int kBlock>
+inline void dequantize_sum_block(const uint8_t* packed, int64_t num_chunks, const float* base, float* out,
+                                 const QuantChunkLayout& layout, int64_t block, int64_t runtime_n) {
+    const int64_t n = kBlock > 0 ? kBlock : runtime_n;
+    alignas(64) float sum[kMaxBlockSize];
+    const int64_t code_offset = layout.codes_offset + (kBits == 8 ? block * layout.block_size : block * layout.block_size / 2);
+    const float* source = base;
+    for (int64_t k = 0; k < num_chunks; ++k) {
+        const uint8_t* row = packed + k * layout.chunk_bytes;
+        const float scale = load_scale(row, block);
+        float* target = k == num_chunks - 1 ? out : sum;
+        if (!kHasBase && k == 0) {
+            for_each_code<kBits>(row + code_offset, n, [&](int64_t i, float code) { target[i] = code * scale; });
+        } else {
+            for_each_code<kBits>(row + code_offset, n,
+                                 [&](int64_t i, float code) { target[i] = source[i] + code * scale; });
+        }
+        source = target;
+    }
+}
+
+template <int kBits, bool kHasBase, int kBlock>
 void dequantize_sum_blocks(const uint8_t* packed, int64_t num_chunks, const float* base, float* out,
                            const QuantChunkLayout& layout, int64_t block_begin, int64_t block_end) {
-    alignas(64) float sum[kMaxBlockSize + 1];
     for (int64_t block = block_begin; block < block_end; ++block) {
         const int64_t start = block * layout.block_size;
         const int64_t n = std::min(layout.block_size, layout.numel - start);
-        const int64_t code_offset = layout.codes_offset + (kBits == 8 ? start : start / 2);
-        int64_t first_row = 0;
-        if constexpr (kHasBase) {
-            prefetch_values(base, sizeof(float), start, false);
-            std::memcpy(sum, base + start, static_cast<size_t>(n) * sizeof(float));
+        if constexpr (kHasBase) prefetch_values(base, sizeof(float), start, false);
+        const float* block_base = kHasBase ? base + start : nullptr;
+        if (n == kBlock) {
+            dequantize_sum_block<kBits, kHasBase, kBlock>(packed, num_chunks, block_base, out + start, layout, block, n);
         } else {
-            dequantize_block<kBits, false>(packed + code_offset, load_scale(packed, block), n, sum);
-            first_row = 1;
+            dequantize_sum_block<kBits, kHasBase, 0>(packed, num_chunks, block_base, out + start, layout, block, n);
         }
-        for (int64_t k = first_row; k < num_chunks; ++k) {
-            const uint8_t* row = packed + k * layout.chunk_bytes;
-            dequantize_block<kBits, true>(row + code_offset, load_scale(row, block), n, sum);
-        }
-        std::memcpy(out + start, sum, static_cast<size_t>(n) * sizeof(float));
     }
 }
 
-template <int kBits, HeldKind kHeld>
+template <int kBits, HeldKind kHeld, int kBlock>
+inline void apply_delta_block(const uint8_t* __restrict codes, float scale,
+                              const typename HeldTraits<kHeld>::type* held,
+                              typename HeldTraits<kHeld>::type* out, int64_t runtime_n) {
+    const int64_t n = kBlock > 0 ? kBlock : runtime_n;
+    // `out` may be `held`: each element is read before it is written.
+    for_each_code<kBits>(codes, n, [&](int64_t i, float code) {
+        out[i] = HeldTraits<kHeld>::store(HeldTraits<kHeld>::load(held[i]) + code * scale);
+    });
+}
+
+template <int kBits, HeldKind kHeld, int kBlock>
 void apply_delta_items(const uint8_t* packed, const void* held, void* out, const QuantChunkLayout& layout,
                        int64_t item_begin, int64_t item_end) {
     using HeldT = typename HeldTraits<kHeld>::type;
     const HeldT* held_values = static_cast<const HeldT*>(held);
     HeldT* out_values = static_cast<HeldT*>(out);
-    alignas(64) float delta[kMaxBlockSize + 1];
     for (int64_t item = item_begin; item < item_end; ++item) {
         const int64_t chunk = item / layout.num_blocks;
         const int64_t block = item % layout.num_blocks;
@@ -321,13 +375,14 @@ void apply_delta_items(const uint8_t* packed, const void* held, void* out, const
         const int64_t start = chunk * layout.numel + offset_in_chunk;
         const int64_t n = std::min(layout.block_size, layout.numel - offset_in_chunk);
         const uint8_t* row = packed + chunk * layout.chunk_bytes;
+        const uint8_t* codes = row + layout.codes_offset + (kBits == 8 ? offset_in_chunk : offset_in_chunk / 2);
+        const float scale = load_scale(row, block);
         prefetch_values(held, sizeof(HeldT), start, false);
-        dequantize_block<kBits, false>(row + layout.codes_offset + (kBits == 8 ? offset_in_chunk : offset_in_chunk / 2),
-                                       load_scale(row, block), n, delta);
-        const HeldT* h = held_values + start;
-        HeldT* o = out_values + start;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) o[i] = HeldTraits<kHeld>::store(HeldTraits<kHeld>::load(h[i]) + delta[i]);
+        if (n == kBlock) {
+            apply_delta_block<kBits, kHeld, kBlock>(codes, scale, held_values + start, out_values + start, n);
+        } else {
+            apply_delta_block<kBits, kHeld, 0>(codes, scale, held_values + start, out_values + start, n);
+        }
     }
 }
 
@@ -335,11 +390,14 @@ template <HeldKind kHeld>
 void apply_delta_dispatch(const uint8_t* packed, int64_t num_chunks, const void* held, void* out,
                           const QuantChunkLayout& layout, int num_threads) {
     parallel_items(num_chunks * layout.num_blocks, layout.block_size, num_threads, [&](int64_t begin, int64_t end) {
-        if (layout.bits == 8) {
-            apply_delta_items<8, kHeld>(packed, held, out, layout, begin, end);
-        } else {
-            apply_delta_items<4, kHeld>(packed, held, out, layout, begin, end);
-        }
+        with_block_size(layout.block_size, [&](auto block_size) {
+            constexpr int kBlock = decltype(block_size)::value;
+            if (layout.bits == 8) {
+                apply_delta_items<8, kHeld, kBlock>(packed, held, out, layout, begin, end);
+            } else {
+                apply_delta_items<4, kHeld, kBlock>(packed, held, out, layout, begin, end);
+            }
+        });
     });
 }
 
@@ -383,19 +441,22 @@ void dequantize_sum(const uint8_t* packed, int64_t num_chunks, const float* base
     }
     const int64_t values_per_block = layout.block_size * (num_chunks + 1);
     parallel_items(layout.num_blocks, values_per_block, num_threads, [&](int64_t begin, int64_t end) {
-        if (layout.bits == 8) {
-            if (base != nullptr) {
-                dequantize_sum_blocks<8, true>(packed, num_chunks, base, out, layout, begin, end);
+        with_block_size(layout.block_size, [&](auto block_size) {
+            constexpr int kBlock = decltype(block_size)::value;
+            if (layout.bits == 8) {
+                if (base != nullptr) {
+                    dequantize_sum_blocks<8, true, kBlock>(packed, num_chunks, base, out, layout, begin, end);
+                } else {
+                    dequantize_sum_blocks<8, false, kBlock>(packed, num_chunks, base, out, layout, begin, end);
+                }
             } else {
-                dequantize_sum_blocks<8, false>(packed, num_chunks, base, out, layout, begin, end);
+                if (base != nullptr) {
+                    dequantize_sum_blocks<4, true, kBlock>(packed, num_chunks, base, out, layout, begin, end);
+                } else {
+                    dequantize_sum_blocks<4, false, kBlock>(packed, num_chunks, base, out, layout, begin, end);
+                }
             }
-        } else {
-            if (base != nullptr) {
-                dequantize_sum_blocks<4, true>(packed, num_chunks, base, out, layout, begin, end);
-            } else {
-                dequantize_sum_blocks<4, false>(packed, num_chunks, base, out, layout, begin, end);
-            }
-        }
+        });
     });
 }
 

@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                 const int index = k * kWarpSize + lane;
                 int code = 0;
                 if (!nonfinite && index < n) {
-                    const float q = fminf(fmaxf(rintf(__fmul_rn(values[k], inv)), -max_code), max_code);
+                    // |v * inv| rounds to at most max_code (acco_quant.h): no clamp needed.
+                    const float q = rintf(__fmul_rn(values[k], inv));
                     code = static_cast<int>(q);
                     if constexpr (kSource == Source::kFeedback) {
                         residual[start + index] = __fsub_rn(values[k], __fmul_rn(q, scale));

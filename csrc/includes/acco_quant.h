@@ -13,7 +13,10 @@
 // keep their scales aligned. Several chunks of equal length are packed as rows of one buffer.
 //
 // Rounding: scale = absmax / max_code and inv = max_code / absmax (IEEE fp32 divisions); code =
-// clamp(round_half_to_even(v * inv), -max_code, max_code); a code stands for code * scale. A block
+// round_half_to_even(v * inv); a code stands for code * scale. No clamp is needed: |v| <= absmax
+// and inv = (max_code / absmax)(1 + d) with |d| <= 2^-24, so |v * inv| <= max_code (1 + 2^-24),
+// which the fp32 product rounds to at most max_code + ulp(max_code) and the rounding to an
+// integer brings back to max_code (inv is a normal number for every absmax in (0, 2^127)). A block
 // whose absmax is 0, or so small that inv overflows, gets scale 0 and zero codes. A block holding
 // an inf, a NaN or a magnitude >= 2^127 (where code * scale could round past FLT_MAX) gets scale
 // NaN and zero codes: it dequantises to NaN, so a non-finite gradient is never silently sent as

@@ -8,8 +8,9 @@ results; the CPU and CUDA kernels reproduce it bitwise.
 
 Format (docs/kernels.md has the full description): a chunk of n fp32 values is cut into blocks
 of ``block_size`` values (a power of two in [32, 512]); each block stores one fp32 scale
-``absmax / max_code`` and one symmetric code per value, ``round_half_to_even(v * max_code /
-absmax)`` in [-127, 127] (``bits=8``) or [-7, 7] (``bits=4``, two codes per byte). A packed chunk
+``absmax / max_code`` and one symmetric code per value, ``round_half_to_even(v * inv)`` with
+``inv = max_code / absmax`` rounded to fp32, in [-127, 127] (``bits=8``) or [-7, 7] (``bits=4``,
+two codes per byte). A packed chunk
 is ``packed_bytes(n, bits=..., block_size=...)`` bytes; several chunks of equal length are the
 rows of one 2-D uint8 tensor, so one call handles the chunks for every peer of a collective.
 """

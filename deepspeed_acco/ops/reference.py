@@ -72,8 +72,9 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
 #
 # A chunk of n fp32 values is cut into blocks of `block_size` values (the last one may be
 # shorter). Per block: scale = absmax / max_code and inv = max_code / absmax, both IEEE fp32
-# divisions (max_code = 127 for int8, 7 for int4); code = clamp(round_half_to_even(v * inv),
-# -max_code, max_code); the value it stands for is code * scale. Special blocks:
+# divisions (max_code = 127 for int8, 7 for int4); code = round_half_to_even(v * inv), never
+# beyond +-max_code since |v * inv| <= max_code (1 + 2^-24) (csrc/includes/acco_quant.h); the
+# value a code stands for is code * scale. Special blocks:
 # * absmax == 0, or so small that inv overflows to inf: scale 0 and codes 0 (the values stay in
 #   the error-feedback residual);
 # * any inf or NaN in the block, or a magnitude >= 2^127 (above it code * scale could round past
@@ -130,7 +131,7 @@ def quantize_values(values: torch.Tensor, *, bits: int, block_size: int):
     scales = torch.where(tiny, 0.0, absmax / max_code)
     inv = torch.where(tiny | nonfinite, 0.0, inv)
     scales = torch.where(nonfinite, math.nan, scales)
-    codes = torch.round(blocks * inv.unsqueeze(2)).clamp_(-QUANT_MAX_CODE[bits], QUANT_MAX_CODE[bits])
+    codes = torch.round(blocks * inv.unsqueeze(2))
     codes = torch.where(nonfinite.unsqueeze(2), 0.0, codes).view(rows, -1)[:, :numel]
     dequantised = codes * _per_element(scales, numel, block_size)
     return codes, scales, dequantised, _per_element(nonfinite, numel, block_size)
