@@ -19,6 +19,15 @@
 
 #include "acco_cpu_quant.h"
 
+// With -march=native on an AVX-512 machine GCC may still prefer 256-bit vectors (its tuning for
+// recent Intel cores does). These kernels are compute-bound per block (two divisions and a
+// horizontal max per 128 values), and 512-bit vectors make them about 1.5x faster: quantise with
+// error feedback, block 128, one thread, 64K values in L1: 0.30 -> 0.19 ns per value; 1M values:
+// 0.50 -> 0.39 ns per value (torch is built with AVX-512 kernels on such machines too).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__AVX512F__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
+
 namespace acco {
 namespace cpu {
 namespace {
