@@ -12,6 +12,11 @@
 #include "acco_coeffs.h"
 #include "acco_cuda_kernels.h"
 
+namespace acco {
+// The quantisation kernels' bindings (acco_cuda_quant_frontend.cpp).
+void register_quant_bindings(pybind11::module_& m);
+}  // namespace acco
+
 namespace {
 
 // The Python dispatcher validates arguments with helpful errors; these checks only guard the raw
@@ -115,4 +120,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("anchor"), py::arg("momentum"), py::arg("mean_params"), py::arg("out"), py::arg("outer_lr"),
           py::arg("outer_momentum"), py::arg("penalty"), py::arg("clip_threshold"),
           py::call_guard<py::gil_scoped_release>());
+    acco::register_quant_bindings(m);
 }

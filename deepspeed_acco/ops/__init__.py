@@ -5,12 +5,17 @@ signature: the pure-torch reference (:mod:`.reference`, which defines the semant
 kernel for the tensors' device (C++/OpenMP for CPU tensors, CUDA for CUDA tensors), built on
 first use. ``backend()`` names the backend in use; ``DEEPSPEED_ACCO_KERNELS=torch|cpu|cuda``
 forces one (see :mod:`._backend`, and docs/kernels.md).
+
+The block-quantisation kernels of compressed communication (``quantize``, ``quantize_delta``,
+``dequantize_sum``, ``apply_delta``, ``packed_bytes``) live in :mod:`.quantization` and are
+re-exported here.
 """
 from typing import Optional, Union
 
 import torch
 
 from . import _backend, reference
+from .quantization import apply_delta, dequantize_sum, packed_bytes, quantize, quantize_delta
 
 _STATE_DTYPE = torch.float32
 # ``out`` may have any of these dtypes; the kernels write the first two directly, fp16 through an
@@ -142,4 +147,7 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
     _unstage(out, written)
 
 
-__all__ = ["adamw_step", "adamw_peek", "co2_outer_step", "backend", "reference"]
+__all__ = [
+    "adamw_step", "adamw_peek", "co2_outer_step", "backend", "reference", "quantize", "quantize_delta",
+    "dequantize_sum", "apply_delta", "packed_bytes"
+]

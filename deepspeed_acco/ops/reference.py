@@ -6,6 +6,11 @@ follow ``torch.optim.AdamW``'s single-tensor code path operation by operation, s
 
 All tensors are 1-D, contiguous and fp32 (``out`` may be fp32 or bf16). Validation happens in
 the public dispatchers of :mod:`deepspeed_acco.ops`; these functions assume valid input.
+
+The second half defines the block quantisation of compressed communication (issue 15): the
+packed format, the rounding and the four operations the kernels of
+:mod:`deepspeed_acco.ops.quantization` reproduce bitwise (there ``packed`` is a 2-D uint8 tensor
+and held copies may be bf16 or fp16).
 """
 import math
 from typing import Optional
@@ -64,3 +69,158 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
     anchor.sub_(momentum.mul(outer_lr))
     if out is not None:
         out.copy_(anchor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block quantisation for compressed communication (issue 15; format in docs/kernels.md)
+# ---------------------------------------------------------------------------------------------
+#
+# A chunk of n fp32 values is cut into blocks of `block_size` values (the last one may be
+# shorter). Per block: scale = absmax / max_code and inv = max_code / absmax, both IEEE fp32
+# divisions (max_code = 127 for int8, 7 for int4); code = round_half_to_even(v * inv), never
+# beyond +-max_code since |v * inv| <= max_code (1 + 2^-24) (csrc/includes/acco_quant.h); the
+# value a code stands for is code * scale. Special blocks:
+# * absmax == 0, or so small that inv overflows to inf: scale 0 and codes 0 (the values stay in
+#   the error-feedback residual);
+# * any inf or NaN in the block, or a magnitude >= 2^127 (above it code * scale could round past
+#   FLT_MAX and turn a finite value into inf): scale NaN and codes 0, so the block dequantises to
+#   NaN and the non-finite check of whoever sums it fires; the residual of such a block is left
+#   unchanged, so later steps are not poisoned.
+# Packed chunk: [num_blocks fp32 scales][codes: n int8, or ceil(n / 2) bytes of two int4 with
+# element 2j in the low nibble][zero padding to a multiple of PACKED_ALIGN_BYTES]. Several chunks
+# of equal length are the rows of one 2-D uint8 tensor.
+
+QUANT_MAX_CODE = {8: 127, 4: 7}
+PACKED_ALIGN_BYTES = 16
+QUANT_OVERFLOW_MAGNITUDE = 2.0**127
+
+
+def quant_num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def quant_code_bytes(numel: int, bits: int) -> int:
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+def packed_bytes(numel: int, *, bits: int, block_size: int) -> int:
+    """Bytes of one packed chunk of ``numel`` values, padding included."""
+    raw = 4 * quant_num_blocks(numel, block_size) + quant_code_bytes(numel, bits)
+    return -(-raw // PACKED_ALIGN_BYTES) * PACKED_ALIGN_BYTES
+
+
+def _per_element(per_block: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
+    """[rows, num_blocks] -> [rows, numel]: each block's value repeated over its elements."""
+    return per_block.repeat_interleave(block_size, dim=1)[:, :numel]
+
+
+def quantize_values(values: torch.Tensor, *, bits: int, block_size: int):
+    """Quantises each row of ``values`` ([rows, n] fp32) as one chunk.
+
+    Returns (codes [rows, n] as float, scales [rows, num_blocks], dequantised [rows, n],
+    nonfinite [rows, n] bool: the element's block held an inf, a NaN or a magnitude >= 2^127).
+    """
+    rows, numel = values.shape
+    num_blocks = quant_num_blocks(numel, block_size)
+    blocks = values.new_zeros(rows, num_blocks * block_size)
+    blocks[:, :numel] = values
+    blocks = blocks.view(rows, num_blocks, block_size)
+    magnitudes = blocks.abs()
+    nonfinite = ~(magnitudes < QUANT_OVERFLOW_MAGNITUDE).all(dim=2)  # NaN compares false
+    absmax = magnitudes.amax(dim=2)
+    max_code = torch.full_like(absmax, QUANT_MAX_CODE[bits])
+    # Tensor / tensor is an IEEE division on every device (a Python scalar divisor would be
+    # turned into a multiplication by its reciprocal on CUDA).
+    inv = max_code / absmax
+    tiny = inv == math.inf
+    scales = torch.where(tiny, 0.0, absmax / max_code)
+    inv = torch.where(tiny | nonfinite, 0.0, inv)
+    scales = torch.where(nonfinite, math.nan, scales)
+    codes = torch.round(blocks * inv.unsqueeze(2))
+    codes = torch.where(nonfinite.unsqueeze(2), 0.0, codes).view(rows, -1)[:, :numel]
+    dequantised = codes * _per_element(scales, numel, block_size)
+    return codes, scales, dequantised, _per_element(nonfinite, numel, block_size)
+
+
+def write_packed(packed: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int) -> None:
+    """Lays out codes ([rows, n], integral values) and scales ([rows, num_blocks]) in ``packed``."""
+    rows, numel = codes.shape
+    scale_bytes = 4 * scales.shape[1]
+    packed.zero_()
+    packed[:, :scale_bytes] = scales.contiguous().view(torch.uint8).view(rows, scale_bytes)
+    codes = codes.to(torch.int16)
+    if bits == 8:
+        code_bytes = codes & 0xFF
+    else:
+        if numel % 2:
+            codes = torch.nn.functional.pad(codes, (0, 1))
+        code_bytes = (codes[:, 0::2] & 0x0F) | ((codes[:, 1::2] & 0x0F) << 4)
+    packed[:, scale_bytes:scale_bytes + code_bytes.shape[1]] = code_bytes.to(torch.uint8)
+
+
+def read_packed(packed: torch.Tensor, numel: int, *, bits: int, block_size: int):
+    """Inverse of :func:`write_packed`: (codes [rows, n] int8, scales [rows, num_blocks] fp32)."""
+    rows = packed.shape[0]
+    scale_bytes = 4 * quant_num_blocks(numel, block_size)
+    scales = packed[:, :scale_bytes].contiguous().view(torch.float32)
+    code_bytes = packed[:, scale_bytes:scale_bytes + quant_code_bytes(numel, bits)]
+    if bits == 8:
+        return code_bytes.contiguous().view(torch.int8), scales
+    nibbles = code_bytes.to(torch.int16)
+    low = ((nibbles & 0x0F) ^ 8) - 8  # sign-extends the 4-bit two's complement value
+    high = ((nibbles >> 4) ^ 8) - 8
+    codes = torch.stack([low, high], dim=2).view(rows, -1)[:, :numel]
+    return codes.to(torch.int8), scales
+
+
+def dequantize_rows(packed: torch.Tensor, numel: int, *, bits: int, block_size: int) -> torch.Tensor:
+    """[rows, numel] fp32: each row of ``packed`` dequantised (code * scale, one rounding)."""
+    codes, scales = read_packed(packed, numel, bits=bits, block_size=block_size)
+    return codes.to(torch.float32) * _per_element(scales, numel, block_size)
+
+
+def quantize(input: torch.Tensor, packed: torch.Tensor, *, bits: int, block_size: int,
+             residual: Optional[torch.Tensor] = None) -> None:
+    """Quantise v = input (+ residual) into the rows of ``packed`` (one chunk per row).
+
+    With ``residual`` (error feedback), also residual <- v - dequantised(v), except in blocks with
+    an inf or NaN, whose residual is left unchanged.
+    """
+    rows = packed.shape[0]
+    values = input if residual is None else input + residual
+    values = values.view(rows, -1)
+    codes, scales, dequantised, nonfinite = quantize_values(values, bits=bits, block_size=block_size)
+    write_packed(packed, codes, scales, bits=bits)
+    if residual is not None:
+        kept = residual.view(rows, -1)
+        kept.copy_(torch.where(nonfinite, kept, values - dequantised))
+
+
+def quantize_delta(target: torch.Tensor, held: torch.Tensor, packed: torch.Tensor, *, bits: int,
+                   block_size: int) -> None:
+    """Quantise v = target - held (held in fp32, bf16 or fp16, widened exactly) into ``packed``."""
+    rows = packed.shape[0]
+    values = (target - held.to(torch.float32)).view(rows, -1)
+    codes, scales, _, _ = quantize_values(values, bits=bits, block_size=block_size)
+    write_packed(packed, codes, scales, bits=bits)
+
+
+def dequantize_sum(packed: torch.Tensor, out: torch.Tensor, *, bits: int, block_size: int,
+                   base: Optional[torch.Tensor] = None) -> None:
+    """out = ((base + d_0) + d_1) + ..., d_k the dequantised row k of ``packed`` (each as long as
+    ``out``); without ``base`` the sum starts at d_0. Each addition is one fp32 rounding."""
+    dequantised = dequantize_rows(packed, out.numel(), bits=bits, block_size=block_size)
+    total = base.clone() if base is not None else dequantised[0].clone()
+    for row in range(0 if base is not None else 1, packed.shape[0]):
+        total.add_(dequantised[row])
+    out.copy_(total)
+
+
+def apply_delta(packed: torch.Tensor, held: torch.Tensor, *, bits: int, block_size: int,
+                out: Optional[torch.Tensor] = None) -> None:
+    """out (default: held itself) = held + dequantised(packed), in fp32, rounded to held's dtype."""
+    rows = packed.shape[0]
+    chunk_numel = held.numel() // rows if rows else 0
+    delta = dequantize_rows(packed, chunk_numel, bits=bits, block_size=block_size).view(-1)
+    result = (held.to(torch.float32) + delta).to(held.dtype)
+    (held if out is None else out).copy_(result)
