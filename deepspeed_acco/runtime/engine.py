@@ -601,7 +601,10 @@ class AccoEngine(DeepSpeedEngine):
     def _report_progress(self) -> None:
         interval = self.engine_config.steps_per_print
         progress = self.schedule.progress
-        if interval is None or progress.global_steps % interval:
+        if interval is None:  # never printed (Accelerate sets infinity): keep no losses either
+            self._losses.clear()
+            return
+        if progress.global_steps % interval:
             return
         losses = [float(loss) for loss in self._losses]
         mean_loss = sum(losses) / len(losses) if losses else float("nan")

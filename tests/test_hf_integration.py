@@ -1,0 +1,262 @@
+"""Registration in DeepSpeed, the Hugging Face Trainer and Accelerate (issue 11), on real processes.
+
+One 2-rank job checks, in order:
+- ``deepspeed.initialize`` with DeepSpeed's ZeRO-1 gives bitwise the same run before and after
+  ``import deepspeed_acco``; with our types it returns our engine, a ``DeepSpeedEngine``;
+- the HF Trainer with ShardedAdamW logs the losses of the HF Trainer with DeepSpeed's AdamW at ZeRO
+  stage 1 (epochs end with a short update, so caller-decided boundaries are covered);
+- the HF Trainer with ACCO, DPU and CO2: ``evaluate()`` and ``save_model()`` see the committed
+  parameters (which differ from what the model holds), saved keys are the module's own, and
+  ``resume_from_checkpoint`` continues with the losses of a run that never stopped;
+- Accelerate's own loop with ACCO is the ACCO of our own loop, and with identical halves its
+  first update is ShardedAdamW's.
+The launchers (``deepspeed --module deepspeed_acco.run``, ``torchrun -m deepspeed_acco.run``) run
+examples/hf_trainer.py. Worker functions import deepspeed_acco themselves (the first check needs
+a process that has not imported it yet).
+"""
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed_utils import free_port, run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CTX, MICRO, ACCUMULATION, LR = 32, 2, 2, 2e-3
+# 10 windows per rank = 5 micro-batches: every epoch ends with an update of one micro-batch.
+TRAIN_WINDOWS, EVAL_WINDOWS, MAX_STEPS, SAVE_STEP = 20, 8, 6, 2
+
+
+def _environment_ready():
+    try:
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as error:
+        return False, str(error)
+    return True, ""
+
+
+pytestmark = pytest.mark.skipif(not _environment_ready()[0], reason=f"needs the test extra: {_environment_ready()[1]}")
+
+
+def hf_config(kind, **params):
+    """A DeepSpeed config as HF users write it: batch sizes, clipping and AdamW values left to the Trainer."""
+    optimizer_params = {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", **params}
+    if kind == "AdamW":
+        optimizer_params["torch_adam"] = True
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 1},
+            "steps_per_print": 1000, "optimizer": {"type": kind, "params": optimizer_params}}
+
+
+# ---- the workers -------------------------------------------------------------------------------
+def _windows(count, seed):
+    from deepspeed_acco.bench.data import WindowSampler, load_corpus
+    corpus = load_corpus()
+    return WindowSampler(corpus.train, CTX, count, seed=seed).micro_batch_at(0)
+
+
+class _Windows(torch.utils.data.Dataset):
+    def __init__(self, windows):
+        self.windows = windows
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, index):
+        tokens = torch.from_numpy(self.windows[index])
+        return {"input_ids": tokens, "labels": tokens}
+
+
+def _trainer(config, output_dir, *, save_steps=None, eval_steps=None, callbacks=None):
+    from transformers import Trainer, TrainingArguments
+
+    from deepspeed_acco.bench.models import build_model
+    args = TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=MICRO, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=ACCUMULATION, max_steps=MAX_STEPS, learning_rate=LR, weight_decay=0.1,
+        max_grad_norm=1.0, logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps,
+        eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps, deepspeed=copy.deepcopy(config),
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    return Trainer(model=build_model("tiny", CTX, 0), args=args, train_dataset=_Windows(_windows(TRAIN_WINDOWS, 1)),
+                   eval_dataset=_Windows(_windows(EVAL_WINDOWS, 2)), callbacks=callbacks)
+
+
+class _EvaluationProbe:
+    """A TrainerCallback (built lazily: transformers is imported inside the workers) that, after each
+    evaluation during training, measures the loss of the committed and of the held parameters."""
+
+    @staticmethod
+    def create(records):
+        from transformers import TrainerCallback
+
+        class Probe(TrainerCallback):
+            def __init__(self):
+                self.trainer = None
+
+            def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+                engine, model = self.trainer.model_wrapped, self.trainer.model
+                windows = _windows(EVAL_WINDOWS, 2)
+                with engine.committed_parameters():
+                    committed = _eval_loss(model, windows)
+                model.eval()
+                with torch.enable_grad():  # a forward with autograd runs on what the model holds
+                    held = _eval_loss(model, windows)
+                records.append((state.global_step, metrics["eval_loss"], committed, held))
+
+        return Probe()
+
+
+def _logged(trainer, key="loss"):
+    return {entry["step"]: entry[key] for entry in trainer.state.log_history if key in entry}
+
+
+def _eval_loss(model, windows):
+    """What Trainer.evaluate computes: the mean loss over the evaluation batches."""
+    losses = []
+    for start in range(0, len(windows), 2):
+        tokens = torch.from_numpy(windows[start:start + 2])
+        losses.append(float(model(input_ids=tokens, labels=tokens).loss.detach()))
+    return sum(losses) / len(losses)
+
+
+def _deepspeed_zero1_run():
+    """DeepSpeed's own ZeRO-1 + AdamW on TinyNet, through ``deepspeed.initialize``."""
+    import deepspeed
+    from reference_sim import TinyNet, batch, flat_trainable, loss_fn, param_groups
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+              "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    model = TinyNet(seed=0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    for index in range(8):
+        x, y = batch(0, index)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    return type(engine), flat_trainable(model)
+
+
+def _registration_and_trainer_worker(rank, world_size, directory):
+    import sys
+    results = {"imported_before": "deepspeed_acco" in sys.modules}
+    results["plain"] = _deepspeed_zero1_run()
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    import deepspeed_acco
+    from deepspeed_acco.registration import is_installed
+    from deepspeed_acco.runtime.engine import AccoEngine
+    results["installed"] = is_installed()
+    results["registered"] = _deepspeed_zero1_run()
+
+    # Our types through deepspeed.initialize; what the engine refuses, and how.
+    from reference_sim import TinyNet, param_groups
+    ours = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+            "optimizer": {"type": "ACCO", "params": {"lr": 1e-2, "dynamic_accumulation": True}}}
+    model = TinyNet(seed=0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ours)
+    results["ours"] = (type(engine) is AccoEngine, isinstance(engine, DeepSpeedEngine), engine.config is not None,
+                       engine.zero_optimization_stage(), engine.zero_optimization_partition_gradients())
+    errors = {}
+    for name, call in (("allreduce_gradients", lambda: engine.allreduce_gradients()),
+                       ("set_gradient_accumulation_boundary", lambda: engine.set_gradient_accumulation_boundary(True)),
+                       ("checkpoint_engine", lambda: engine.checkpoint_engine)):
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - the type and text are what is checked
+            errors[name] = (type(error).__name__, str(error))
+    results["errors"] = errors
+    engine.destroy()
+
+    # HF Trainer: DeepSpeed's ZeRO-1 AdamW and our ShardedAdamW on the same data.
+    runs = {}
+    for kind in ("AdamW", "ShardedAdamW"):
+        trainer = _trainer(hf_config(kind), os.path.join(directory, kind))
+        trainer.train()
+        runs[kind] = {"loss": _logged(trainer), "grad_norm": _logged(trainer, "grad_norm"),
+                      "engine": type(trainer.model_wrapped).__name__}
+    results["trainer"] = runs
+
+    # HF Trainer with the overlapped types: committed weights where the trainer reads them, resume.
+    for kind in ("ACCO", "DPU", "CO2"):
+        params = {"local_steps": 2} if kind == "CO2" else {}
+        output = os.path.join(directory, kind)
+        evaluations = []
+        probe = _EvaluationProbe.create(evaluations)
+        trainer = _trainer(hf_config(kind, **params), output, save_steps=SAVE_STEP, eval_steps=SAVE_STEP,
+                           callbacks=[probe])
+        probe.trainer = trainer
+        trainer.train()
+        engine, model = trainer.model_wrapped, trainer.model
+        with engine.committed_parameters():
+            committed = {key: value.clone() for key, value in model.state_dict().items()}
+        trainer.save_model(os.path.join(output, "final"))
+        run = {"loss": _logged(trainer), "evaluations": evaluations, "engine": type(engine).__name__}
+        if rank == 0:
+            from safetensors.torch import load_file
+            saved = load_file(os.path.join(output, "final", "model.safetensors"))
+            run["saved_keys"], run["module_keys"] = sorted(saved), sorted(committed)
+            run["saved_vs_committed"] = max((saved[key] - committed[key]).abs().max().item() for key in saved)
+        resumed = _trainer(hf_config(kind, **params), os.path.join(directory, kind + "-resumed"))
+        resumed.train(resume_from_checkpoint=os.path.join(output, f"checkpoint-{SAVE_STEP}"))
+        run["resumed_loss"] = _logged(resumed)
+        results[kind] = run
+    return results
+
+
+@pytest.mark.slow
+def test_registration_and_hf_trainer(tmp_path):
+    results = run_distributed(_registration_and_trainer_worker, 2, str(tmp_path), timeout_s=600)
+    first = results[0]
+    assert not first["imported_before"], "the worker must start without deepspeed_acco imported"
+    assert first["installed"]
+    plain_type, plain_params = first["plain"]
+    registered_type, registered_params = first["registered"]
+    assert plain_type.__name__ == registered_type.__name__ == "DeepSpeedEngine"
+    assert torch.equal(plain_params, registered_params), "deepspeed.initialize changed after import deepspeed_acco"
+    assert first["ours"] == (True, True, True, 1, False)
+    kind, message = first["errors"]["allreduce_gradients"]
+    assert kind == "NotImplementedError" and "allreduce_gradients" in message, message
+    kind, message = first["errors"]["set_gradient_accumulation_boundary"]
+    assert kind == "ValueError" and "dynamic_accumulation" in message, message
+    kind, message = first["errors"]["checkpoint_engine"]
+    assert kind == "AttributeError" and "checkpoint_engine" in message, message
+
+    runs = first["trainer"]
+    assert runs["AdamW"]["engine"] == "DeepSpeedEngine" and runs["ShardedAdamW"]["engine"] == "AccoEngine"
+    assert sorted(runs["AdamW"]["loss"]) == list(range(1, MAX_STEPS + 1))
+    loss_difference = max(abs(runs["AdamW"]["loss"][s] - runs["ShardedAdamW"]["loss"][s]) for s in runs["AdamW"]["loss"])
+    norm_difference = max(abs(runs["AdamW"]["grad_norm"][s] / runs["ShardedAdamW"]["grad_norm"][s] - 1)
+                          for s in runs["AdamW"]["grad_norm"])
+    print(f"HF Trainer, ShardedAdamW vs DeepSpeed ZeRO-1 AdamW: max |loss difference| {loss_difference:.3g}, "
+          f"max relative grad-norm difference {norm_difference:.3g} over {MAX_STEPS} updates")
+    # Norms of about 2-5, summed in another order (DeepSpeed in fp32 per partition, ours in fp64).
+    assert loss_difference <= 1e-5 and norm_difference <= 1e-5
+
+    for kind in ("ACCO", "DPU", "CO2"):
+        run = first[kind]
+        assert run["engine"] == "AccoEngine"
+        losses = [run["loss"][step] for step in sorted(run["loss"])]
+        assert len(losses) == MAX_STEPS and all(0.5 < loss < 6.5 for loss in losses), losses
+        assert losses[-1] < losses[0], f"{kind} did not train: {losses}"
+        for step, evaluated, committed, held in run["evaluations"]:
+            print(f"{kind} step {step}: evaluate() {evaluated:.6f}, committed parameters {committed:.6f}, "
+                  f"held parameters {held:.6f}")
+            assert abs(evaluated - committed) <= 1e-5, (kind, step)
+        steps = [step for step, *_ in run["evaluations"]]
+        assert steps == list(range(SAVE_STEP, MAX_STEPS + 1, SAVE_STEP)), steps
+        assert max(abs(held - committed) for _, _, committed, held in run["evaluations"]) > 1e-4, \
+            f"{kind}: the model held the committed parameters at every evaluation; the check would see nothing"
+        print(f"{kind}: saved model vs committed parameters: max |difference| {run['saved_vs_committed']}")
+        assert all(not key.startswith("module.") for key in run["saved_keys"])
+        assert set(run["saved_keys"]) <= set(run["module_keys"])
+        assert run["saved_vs_committed"] == 0.0, kind
+        # The resumed Trainer's history starts with the checkpoint's entries; what it trained follows.
+        resumed = {step: loss for step, loss in run["resumed_loss"].items() if step > SAVE_STEP}
+        assert sorted(resumed) == list(range(SAVE_STEP + 1, MAX_STEPS + 1)), run["resumed_loss"]
+        assert all(resumed[step] == run["loss"][step] for step in resumed), (kind, resumed, run["loss"])
