@@ -260,3 +260,108 @@ def test_registration_and_hf_trainer(tmp_path):
         resumed = {step: loss for step, loss in run["resumed_loss"].items() if step > SAVE_STEP}
         assert sorted(resumed) == list(range(SAVE_STEP + 1, MAX_STEPS + 1)), run["resumed_loss"]
         assert all(resumed[step] == run["loss"][step] for step in resumed), (kind, resumed, run["loss"])
+
+
+# ---- Accelerate's own loop -----------------------------------------------------------------------
+ACCELERATE_ACCUMULATION, ACCELERATE_UPDATES = 4, 4
+
+
+def _micro_batches(rank, identical_halves):
+    """This rank's micro-batches; with ``identical_halves`` both halves of every update hold the same windows."""
+    from deepspeed_acco.bench.data import WindowSampler, load_corpus
+    sampler = WindowSampler(load_corpus().train, CTX, MICRO, seed=3, rank=rank)
+    if not identical_halves:
+        return [torch.from_numpy(sampler.micro_batch_at(i)) for i in range(ACCELERATE_UPDATES * ACCELERATE_ACCUMULATION)]
+    half = ACCELERATE_ACCUMULATION // 2
+    batches = []
+    for update in range(ACCELERATE_UPDATES):
+        first_half = [torch.from_numpy(sampler.micro_batch_at(update * half + i)) for i in range(half)]
+        batches += first_half + first_half
+    return batches
+
+
+def _plain_config(kind):
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCELERATE_ACCUMULATION,
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+            "optimizer": {"type": kind, "params": {"lr": LR, "weight_decay": 0.1}}}
+
+
+def _accelerate_run(accelerator, kind, batches):
+    """Accelerate's documented DeepSpeed loop: prepare, accumulate, backward, optimizer.step()."""
+    from accelerate.utils import DummyOptim
+
+    from deepspeed_acco.bench.models import build_model
+    accelerator.state.select_deepspeed_plugin(kind)
+    model = build_model("tiny", CTX, 0)
+    engine, optimizer = accelerator.prepare(model, DummyOptim(model.parameters(), lr=LR, weight_decay=0.1))
+    losses = []
+    for tokens in batches:
+        with accelerator.accumulate(engine):
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    result = {"losses": losses, "type": engine.optimizer_name(), "global_steps": engine.global_steps}
+    accelerator.free_memory()  # destroys the engine, which leaves the committed parameters in the model
+    result["committed"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return result
+
+
+def _managed_run(kind, batches):
+    """The same micro-batches through deepspeed_acco's own loop (backward and step per micro-batch)."""
+    import deepspeed_acco
+    from deepspeed_acco.bench.models import build_model
+    model = build_model("tiny", CTX, 0)
+    engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(),
+                                           config=_plain_config(kind))
+    losses = []
+    for tokens in batches:
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    with engine.committed_parameters():
+        committed = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    engine.destroy()
+    return {"losses": losses, "committed": committed}
+
+
+def _accelerate_worker(rank, world_size):
+    from accelerate import PartialState
+
+    import deepspeed_acco  # noqa: F401  (registers our types in deepspeed.initialize, which Accelerate calls)
+    # accelerate 1.15 finds no backend for DeepSpeed on a CPU-only machine and would run one process
+    # per rank (num_processes 1); naming gloo first gives it the job's 2 ranks, as TrainingArguments does.
+    PartialState(backend="gloo")
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    # One Accelerator per process: it holds a DeepSpeed plugin per config, selected before each prepare.
+    accelerator = Accelerator(deepspeed_plugin={kind: DeepSpeedPlugin(hf_ds_config=_plain_config(kind))
+                                                for kind in ("ACCO", "ShardedAdamW")},
+                              gradient_accumulation_steps=ACCELERATE_ACCUMULATION)
+    identical, ordinary = _micro_batches(rank, True), _micro_batches(rank, False)
+    return {"ACCO identical": _accelerate_run(accelerator, "ACCO", identical),
+            "ShardedAdamW identical": _accelerate_run(accelerator, "ShardedAdamW", identical),
+            "ACCO": _accelerate_run(accelerator, "ACCO", ordinary), "ACCO managed": _managed_run("ACCO", ordinary)}
+
+
+@pytest.mark.slow
+def test_accelerate_loop_with_acco():
+    results = run_distributed(_accelerate_worker, 2, timeout_s=600)
+    for rank_result in results:
+        acco, managed = rank_result["ACCO"], rank_result["ACCO managed"]
+        assert acco["type"] == "ACCO" and acco["global_steps"] == ACCELERATE_UPDATES - 1  # the last commit in flight
+        assert acco["losses"][-1] < acco["losses"][0]
+        # Accelerate's loop (caller-set boundaries, one step() per update) runs ACCO's own schedule.
+        assert acco["losses"] == managed["losses"]
+        assert torch.equal(acco["committed"], managed["committed"])
+        # With identical halves the first half's gradient at the estimate is the full batch's at the
+        # committed parameters, so the estimate is the next commit: ACCO is ShardedAdamW exactly.
+        acco, sharded = rank_result["ACCO identical"], rank_result["ShardedAdamW identical"]
+        assert (acco["type"], sharded["type"]) == ("ACCO", "ShardedAdamW")
+        loss_difference = max(abs(a - b) for a, b in zip(acco["losses"], sharded["losses"]))
+        parameter_difference = (acco["committed"] - sharded["committed"]).abs().max().item()
+        print(f"Accelerate, ACCO vs ShardedAdamW with identical halves: max |loss difference| {loss_difference:.3g}, "
+              f"max |committed parameter difference| {parameter_difference:.3g}")
+        assert loss_difference <= 1e-6 and parameter_difference <= 1e-6
