@@ -14,6 +14,7 @@ The launchers (``deepspeed --module deepspeed_acco.run``, ``torchrun -m deepspee
 examples/hf_trainer.py. Worker functions import deepspeed_acco themselves (the first check needs
 a process that has not imported it yet).
 """
+import contextlib
 import copy
 import json
 import os
@@ -327,6 +328,63 @@ def _managed_run(kind, batches):
     return {"losses": losses, "committed": committed}
 
 
+# Micro-batches per update under caller-set boundaries (accumulation 4): short updates as at epoch ends.
+SHORT_UPDATES = [4, 1, 4, 2, 4, 3, 4]
+# ACCO with identical halves stays ShardedAdamW while the short updates end in the first half.
+SHORT_UPDATES_FIRST_HALF = [4, 1, 4, 2, 4]
+
+
+def _caller_boundary_run(kind, rank, updates, *, scale_wrt_gas, identical_halves=False):
+    """DeepSpeed's documented caller-boundary loop on TinyNet: the boundary set before each micro-batch,
+    step() once per update. Without ``scale_wrt_gas`` the caller normalises the loss over the update's
+    micro-batches, as the HF Trainer does."""
+    import deepspeed
+    from reference_sim import TinyNet, batch, flat_trainable, loss_fn, param_groups
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+              "steps_per_print": 1000, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": kind, "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    model = TinyNet(seed=0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    index = 0
+    for update, count in enumerate(updates):
+        for i in range(count):
+            engine.set_gradient_accumulation_boundary(i == count - 1)
+            x, y = batch(rank, 2 * update + i % 2 if identical_halves else index)
+            index += 1
+            loss = loss_fn(engine(x), y)
+            if scale_wrt_gas:
+                engine.backward(loss)
+            else:
+                engine.backward(loss / count, scale_wrt_gas=False)
+        engine.step()
+    committed = getattr(engine, "committed_parameters", None)
+    with committed() if committed is not None else contextlib.nullcontext():
+        parameters = flat_trainable(model)
+    if committed is not None:
+        engine.destroy()
+    return parameters
+
+
+def _placeholders_check():
+    """deepspeed.initialize with accelerate's DummyOptim and a DummyScheduler carrying a callable."""
+    import deepspeed
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    from deepspeed_acco.runtime.engine import AccoEngine
+    from reference_sim import TinyNet, param_groups
+    model = TinyNet(seed=0)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "DPU", "params": {"lr": 1e-2}}}
+    halve = DummyScheduler(None, lr_scheduler_callable=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5))
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=DummyOptim(param_groups(model)),
+                                                           lr_scheduler=halve, config=config)
+    result = (type(engine) is AccoEngine, type(scheduler).__name__, scheduler.optimizer is optimizer,
+              engine.get_lr(), len(optimizer.param_groups))
+    engine.destroy()
+    return result
+
+
 def _accelerate_worker(rank, world_size):
     from accelerate import PartialState
 
@@ -341,14 +399,33 @@ def _accelerate_worker(rank, world_size):
                                                 for kind in ("ACCO", "ShardedAdamW")},
                               gradient_accumulation_steps=ACCELERATE_ACCUMULATION)
     identical, ordinary = _micro_batches(rank, True), _micro_batches(rank, False)
-    return {"ACCO identical": _accelerate_run(accelerator, "ACCO", identical),
+    caller = {(kind, scale): _caller_boundary_run(kind, rank, SHORT_UPDATES, scale_wrt_gas=scale)
+              for kind in ("AdamW", "ShardedAdamW") for scale in (True, False)}
+    for kind in ("ShardedAdamW", "ACCO"):
+        caller[(kind, "identical")] = _caller_boundary_run(kind, rank, SHORT_UPDATES_FIRST_HALF, scale_wrt_gas=False,
+                                                           identical_halves=True)
+    return {"caller": caller, "placeholders": _placeholders_check(),
+            "ACCO identical": _accelerate_run(accelerator, "ACCO", identical),
             "ShardedAdamW identical": _accelerate_run(accelerator, "ShardedAdamW", identical),
             "ACCO": _accelerate_run(accelerator, "ACCO", ordinary), "ACCO managed": _managed_run("ACCO", ordinary)}
 
 
 @pytest.mark.slow
-def test_accelerate_loop_with_acco():
+def test_accelerate_loop_and_caller_set_boundaries():
     results = run_distributed(_accelerate_worker, 2, timeout_s=600)
+    caller = results[0]["caller"]
+    for scale in (True, False):
+        difference = (caller[("AdamW", scale)] - caller[("ShardedAdamW", scale)]).abs().max().item()
+        print(f"caller-set boundaries with short updates {SHORT_UPDATES}, scale_wrt_gas={scale}: "
+              f"max |ShardedAdamW - DeepSpeed ZeRO-1| {difference:.3g}")
+        assert difference <= 1e-6
+    assert (caller[("AdamW", True)] - caller[("AdamW", False)]).abs().max() > 1e-3  # short updates differ
+    difference = (caller[("ACCO", "identical")] - caller[("ShardedAdamW", "identical")]).abs().max().item()
+    print(f"short updates ending in ACCO's first half {SHORT_UPDATES_FIRST_HALF}: max |ACCO - ShardedAdamW| "
+          f"{difference:.3g}")
+    assert difference <= 1e-6
+    assert results[0]["placeholders"] == (True, "LambdaLR", True, [5e-3, 5e-3], 2)
+
     for rank_result in results:
         acco, managed = rank_result["ACCO"], rank_result["ACCO managed"]
         assert acco["type"] == "ACCO" and acco["global_steps"] == ACCELERATE_UPDATES - 1  # the last commit in flight

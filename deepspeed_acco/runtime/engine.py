@@ -499,8 +499,11 @@ class AccoEngine(DeepSpeedEngine):
         schedule = self.schedule
         schedule.count_micro_batch()
         _, last = self._update_position()
-        if not last and schedule.round_micro_batches >= schedule.nominal_round_micro_batches:
-            schedule.end_round()  # a round inside the update (ACCO's first half) ends where the type puts it
+        if not last and not self._caller_boundary and \
+                schedule.round_micro_batches >= schedule.nominal_round_micro_batches:
+            # A round inside the update (ACCO's first half) ends where the type puts it, unless the
+            # caller ends the whole update here: step() then ends it as a short update.
+            schedule.end_round()
 
     def _end_update_at_caller_boundary(self) -> None:
         """End the update now. Each round is counted as its share of gradient_accumulation_steps, so
