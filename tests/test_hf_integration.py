@@ -442,3 +442,108 @@ def test_accelerate_loop_and_caller_set_boundaries():
         print(f"Accelerate, ACCO vs ShardedAdamW with identical halves: max |loss difference| {loss_difference:.3g}, "
               f"max |committed parameter difference| {parameter_difference:.3g}")
         assert loss_difference <= 1e-6 and parameter_difference <= 1e-6
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+def _launcher(name):
+    """A console script of this interpreter's environment (else on PATH), or None."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return here if os.path.exists(here) else shutil.which(name)
+
+
+def _launch(command, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if not env.get("TORCH_EXTENSIONS_DIR"):  # DeepSpeed's CPU shm op: build once, not per run
+        from deepspeed_acco.bench.data import default_cache_dir
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(default_cache_dir(), "torch_extensions")
+    result = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_launcher("deepspeed") is None, reason="the deepspeed launcher script is not installed")
+def test_hf_trainer_example_under_the_deepspeed_launcher(tmp_path):
+    """The unmodified HF Trainer script, registered by ``--module deepspeed_acco.run``."""
+    output = _launch([_launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                      "deepspeed_acco.run", os.path.join(REPO, "examples", "hf_trainer.py"),
+                      "--deepspeed", os.path.join(REPO, "examples", "configs", "hf_acco.json"),
+                      "--output_dir", str(tmp_path / "run"), "--model", "tiny", "--ctx", "32", "--max_steps", "4",
+                      "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                      "--logging_steps", "1", "--train_windows", "64", "--eval_windows", "8", "--report_to", "none",
+                      "--save_strategy", "no", "--use_cpu", "--disable_tqdm", "true"], cwd=str(tmp_path))
+    assert "engine AccoEngine, optimizer ACCO, 2 ranks" in output, output[-3000:]
+    losses = [float(x) for x in re.findall(r"step +\d+ loss (\d+\.\d+)", output)]
+    assert len(losses) == 4 and all(0.5 < loss < 6.5 for loss in losses), output[-3000:]
+    assert re.search(r"final validation loss \d+\.\d+", output)
+    assert os.path.isfile(tmp_path / "run" / "model.safetensors")
+
+
+_PLAIN_DEEPSPEED_SCRIPT = """
+import json, sys
+import deepspeed, torch
+from reference_sim import TinyNet, batch, loss_fn
+config = json.loads(sys.argv[1])
+model = TinyNet(seed=0)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+for index in range(8):
+    x, y = batch(engine.global_rank, index)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+if engine.global_rank == 0:
+    print(f"engine {type(engine).__name__} name {__name__} argv {sys.argv[2:]} steps {engine.global_steps}")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_launcher("torchrun") is None, reason="torchrun is not installed")
+def test_plain_deepspeed_script_under_torchrun(tmp_path):
+    """An unmodified deepspeed.initialize script, registered by ``-m deepspeed_acco.run`` (no HF)."""
+    script = tmp_path / "train.py"
+    script.write_text(_PLAIN_DEEPSPEED_SCRIPT)
+    shutil.copy(os.path.join(REPO, "tests", "reference_sim.py"), tmp_path / "reference_sim.py")
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "DPU", "params": {"lr": 1e-2}}}
+    output = _launch([_launcher("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                      "-m", "deepspeed_acco.run", str(script), json.dumps(config), "--flag", "value"], cwd=REPO)
+    assert "engine AccoEngine name __main__ argv ['--flag', 'value'] steps 3" in output, output[-3000:]
+
+
+def test_run_module_command_line():
+    from deepspeed_acco.run import parse
+    assert parse(["train.py", "--deepspeed", "c.json"]) == ("script", "train.py", ["--deepspeed", "c.json"])
+    # The deepspeed launcher puts --local_rank before the script when it runs a module.
+    assert parse(["--local_rank=1", "train.py", "--x"]) == ("script", "train.py", ["--local_rank=1", "--x"])
+    assert parse(["--local_rank", "0", "-m", "pkg.train", "--x"]) == ("module", "pkg.train", ["--local_rank", "0", "--x"])
+    for bad in ([], ["--help"], ["--verbose", "train.py"], ["-m"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+
+_REGISTRATION_SCRIPT = """
+import importlib, importlib.util, sys
+import deepspeed_acco
+from deepspeed_acco import registration
+assert "deepspeed" not in sys.modules and not registration.is_installed()
+assert importlib.util.find_spec("deepspeed") is not None  # an availability check does not import, nor unhook
+assert "deepspeed" not in sys.modules
+import deepspeed
+assert registration.is_installed(), "not installed on deepspeed's import"
+wrapper = deepspeed.initialize
+importlib.reload(deepspeed_acco)
+registration.install()
+assert deepspeed.initialize is wrapper, "installed twice"
+assert registration.original_initialize() is wrapper.__deepspeed_acco_original__
+assert not [f for f in sys.meta_path if getattr(f, "is_deepspeed_acco_hook", False)], "the import hook stayed"
+print("registration ok")
+"""
+
+
+def test_registration_waits_for_deepspeed_and_is_idempotent():
+    env = dict(os.environ, PYTHONPATH=REPO + (os.pathsep + os.environ["PYTHONPATH"]
+                                              if os.environ.get("PYTHONPATH") else ""))
+    result = subprocess.run([sys.executable, "-c", _REGISTRATION_SCRIPT], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert result.returncode == 0 and "registration ok" in result.stdout, result.stdout[-3000:]
