@@ -9,14 +9,15 @@ launch line registers our optimizer types in DeepSpeed by running the script thr
         --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco
     torchrun --nproc_per_node 2 -m deepspeed_acco.run examples/hf_trainer.py \\
         --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco
-    accelerate launch --num_processes 2 -m deepspeed_acco.run examples/hf_trainer.py \\
+    accelerate launch --use_deepspeed --num_processes 2 -m deepspeed_acco.run examples/hf_trainer.py \\
         --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco
 
 (``import deepspeed_acco`` at the top of the script does the same as ``deepspeed_acco.run``.) Every
 ``TrainingArguments`` flag works (``--max_steps``, ``--eval_steps``, ``--save_steps``,
 ``--resume_from_checkpoint``, ...); the model and data flags are below. The model is built from a
 config (no downloads); tokens are bytes. On a CPU-only machine ``--num_gpus``/``--nproc_per_node``
-count ranks (gloo) and ``--use_cpu`` is implied.
+count ranks (gloo); pass ``--use_cpu`` there, or the Trainer counts one process (accelerate finds no
+DeepSpeed backend on CPUs) and its batch sizes disagree with the job's.
 """
 import math
 import os
