@@ -111,6 +111,8 @@ class _WrapAfterExec(importlib.abc.Loader):
         _remove_hook(self._hook)
 
     def __getattr__(self, name):  # resource readers and the like come from the real loader
+        if name == "_loader":  # not set yet (an object made without __init__): no recursion
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
 

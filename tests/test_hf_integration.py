@@ -180,7 +180,8 @@ def _registration_and_trainer_worker(rank, world_size, directory):
         trainer = _trainer(hf_config(kind), os.path.join(directory, kind))
         trainer.train()
         runs[kind] = {"loss": _logged(trainer), "grad_norm": _logged(trainer, "grad_norm"),
-                      "engine": type(trainer.model_wrapped).__name__}
+                      "engine": type(trainer.model_wrapped).__name__,
+                      "normalised_by_tokens": trainer.model_accepts_loss_kwargs and trainer.args.average_tokens_across_devices}
     results["trainer"] = runs
 
     # HF Trainer with the overlapped types: committed weights where the trainer reads them, resume.
@@ -230,6 +231,9 @@ def test_registration_and_hf_trainer(tmp_path):
 
     runs = first["trainer"]
     assert runs["AdamW"]["engine"] == "DeepSpeedEngine" and runs["ShardedAdamW"]["engine"] == "AccoEngine"
+    # transformers 5 divides each micro-batch's loss by the update's token count over all ranks
+    # (times the ranks) and calls backward(scale_wrt_gas=False): that is the loss compared here.
+    assert runs["ShardedAdamW"]["normalised_by_tokens"]
     assert sorted(runs["AdamW"]["loss"]) == list(range(1, MAX_STEPS + 1))
     loss_difference = max(abs(runs["AdamW"]["loss"][s] - runs["ShardedAdamW"]["loss"][s]) for s in runs["AdamW"]["loss"])
     norm_difference = max(abs(runs["AdamW"]["grad_norm"][s] / runs["ShardedAdamW"]["grad_norm"][s] - 1)
