@@ -1,18 +1,21 @@
 """Registration in DeepSpeed, the Hugging Face Trainer and Accelerate (issue 11), on real processes.
 
-One 2-rank job checks, in order:
+``test_registration_and_hf_trainer`` (one 2-rank job):
 - ``deepspeed.initialize`` with DeepSpeed's ZeRO-1 gives bitwise the same run before and after
-  ``import deepspeed_acco``; with our types it returns our engine, a ``DeepSpeedEngine``;
+  ``import deepspeed_acco``; with our types it returns our engine, a ``DeepSpeedEngine``, whose
+  unsupported DeepSpeed methods raise clear errors;
 - the HF Trainer with ShardedAdamW logs the losses of the HF Trainer with DeepSpeed's AdamW at ZeRO
-  stage 1 (epochs end with a short update, so caller-decided boundaries are covered);
-- the HF Trainer with ACCO, DPU and CO2: ``evaluate()`` and ``save_model()`` see the committed
-  parameters (which differ from what the model holds), saved keys are the module's own, and
-  ``resume_from_checkpoint`` continues with the losses of a run that never stopped;
-- Accelerate's own loop with ACCO is the ACCO of our own loop, and with identical halves its
-  first update is ShardedAdamW's.
-The launchers (``deepspeed --module deepspeed_acco.run``, ``torchrun -m deepspeed_acco.run``) run
-examples/hf_trainer.py. Worker functions import deepspeed_acco themselves (the first check needs
-a process that has not imported it yet).
+  stage 1 (every epoch ends with a short update, so caller-decided boundaries are covered);
+- the HF Trainer with ACCO, DPU and CO2: ``evaluate()`` during training and ``save_model()`` see
+  the committed parameters (which differ from what the model holds), saved keys are the module's
+  own, and ``resume_from_checkpoint`` continues with the losses of a run that never stopped.
+``test_accelerate_loop_and_caller_set_boundaries`` (one 2-rank job): DeepSpeed's caller-boundary
+loop with short updates, ShardedAdamW against DeepSpeed and ACCO against ShardedAdamW; Accelerate's
+own loop with ACCO against ACCO's own loop, and against ShardedAdamW when both halves of every
+update hold the same data; accelerate's DummyOptim/DummyScheduler.
+The launcher tests run examples/hf_trainer.py and a plain DeepSpeed script through
+``-m deepspeed_acco.run``. Worker functions import deepspeed_acco themselves (the first check
+needs a process that has not imported it yet).
 """
 import contextlib
 import copy
@@ -89,29 +92,25 @@ def _trainer(config, output_dir, *, save_steps=None, eval_steps=None, callbacks=
                    eval_dataset=_Windows(_windows(EVAL_WINDOWS, 2)), callbacks=callbacks)
 
 
-class _EvaluationProbe:
-    """A TrainerCallback (built lazily: transformers is imported inside the workers) that, after each
-    evaluation during training, measures the loss of the committed and of the held parameters."""
+def _evaluation_probe(records):
+    """A TrainerCallback that, after each evaluation during training, measures the loss of the
+    committed and of the held parameters (built here: transformers is imported in the workers)."""
+    from transformers import TrainerCallback
 
-    @staticmethod
-    def create(records):
-        from transformers import TrainerCallback
+    class Probe(TrainerCallback):
+        trainer = None
 
-        class Probe(TrainerCallback):
-            def __init__(self):
-                self.trainer = None
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            engine, model = self.trainer.model_wrapped, self.trainer.model
+            windows = _windows(EVAL_WINDOWS, 2)
+            with engine.committed_parameters():
+                committed = _eval_loss(model, windows)
+            model.eval()
+            with torch.enable_grad():  # a forward with autograd runs on what the model holds
+                held = _eval_loss(model, windows)
+            records.append((state.global_step, metrics["eval_loss"], committed, held))
 
-            def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-                engine, model = self.trainer.model_wrapped, self.trainer.model
-                windows = _windows(EVAL_WINDOWS, 2)
-                with engine.committed_parameters():
-                    committed = _eval_loss(model, windows)
-                model.eval()
-                with torch.enable_grad():  # a forward with autograd runs on what the model holds
-                    held = _eval_loss(model, windows)
-                records.append((state.global_step, metrics["eval_loss"], committed, held))
-
-        return Probe()
+    return Probe()
 
 
 def _logged(trainer, key="loss"):
@@ -189,7 +188,7 @@ def _registration_and_trainer_worker(rank, world_size, directory):
         params = {"local_steps": 2} if kind == "CO2" else {}
         output = os.path.join(directory, kind)
         evaluations = []
-        probe = _EvaluationProbe.create(evaluations)
+        probe = _evaluation_probe(evaluations)
         trainer = _trainer(hf_config(kind, **params), output, save_steps=SAVE_STEP, eval_steps=SAVE_STEP,
                            callbacks=[probe])
         probe.trainer = trainer
