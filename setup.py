@@ -75,7 +75,7 @@ setup(
     ],
     extras_require={
         "bench": ["transformers>=4.40", "matplotlib", "tqdm"],
-        "test": ["pytest", "transformers>=4.40", "matplotlib", "tqdm", "ninja"],
+        "test": ["pytest", "transformers>=4.40", "accelerate>=1.15", "matplotlib", "tqdm", "ninja"],
     },
     entry_points={"console_scripts": ["deepspeed-acco-bench=deepspeed_acco.bench:main"]},
     ext_modules=ext_modules,

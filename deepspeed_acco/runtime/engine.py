@@ -4,16 +4,33 @@ Users keep DeepSpeed's loop (``loss = engine(batch); engine.backward(loss); engi
 per micro-batch). The engine backpropagates with the round's loss scale, accumulates gradients in
 fp32 and hands every ``step()`` to the type's schedule, which runs the round boundaries and owns
 the counters; the engine reports progress, and saves and loads checkpoints.
+
+The engine is a ``deepspeed.runtime.engine.DeepSpeedEngine`` (it does not run DeepSpeed's
+constructor, which would build DeepSpeed's own optimizer), so code that recognises DeepSpeed's
+engine by type (the Hugging Face Trainer, Accelerate) unwraps and drives it the same way. The
+part of DeepSpeed's interface those callers use is implemented here (docs/hf.md lists it):
+caller-decided accumulation boundaries (``set_gradient_accumulation_boundary``), the config
+queries, ``no_sync``, ``save_16bit_model``; every other DeepSpeedEngine method raises
+``NotImplementedError`` naming itself.
+
+Where a caller reads the module directly, it sees the committed parameters (ACCO's model holds
+an estimate in first-half rounds, DPU's lags one update, CO2's is a local replica):
+``module.state_dict()`` returns them, and a forward in evaluation mode without autograd (how
+trainers evaluate) runs on them until training resumes. Both only wait for the local job, so
+they are left out under dynamic accumulation, whose ranks can be a round apart: there,
+``engine.committed_parameters()`` (collective) is the way.
 """
 import atexit
 import collections
 import contextlib
 import logging
+import os
 import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
 
 from .. import ops
 from ..config import EngineConfig
@@ -47,17 +64,21 @@ def _log_rank0(message: str, level: int = logging.INFO) -> None:
         logger.log(level, message)
 
 
-class AccoEngine(torch.nn.Module):
+class AccoEngine(DeepSpeedEngine):
     """DeepSpeed-compatible engine running one of our optimizer types on the overlapped pipeline."""
 
     def __init__(self, *, model: torch.nn.Module, param_groups: List[Dict], config: EngineConfig,
                  lr_scheduler: Any = None, training_data=None, collate_fn=None, device: torch.device):
-        super().__init__()
+        # DeepSpeedEngine.__init__ would build DeepSpeed's own optimizer and ZeRO state; our engine
+        # is a DeepSpeedEngine by type only, so only torch.nn.Module is initialised.
+        torch.nn.Module.__init__(self)
         self.engine_config = config
         self.module = model
         self.device = device
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.dp_world_size = self.world_size
+        self.mp_world_size = 1
         self.local_rank = local_rank()
         parts = build(module=model, param_groups=param_groups, config=config, device=device,
                       client_lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
@@ -76,14 +97,29 @@ class AccoEngine(torch.nn.Module):
         self._last_grad_norm: Optional[float] = None
         self._step_applied = False
         self._job_timings: Dict[str, float] = {}
+        self._caller_boundary: Optional[bool] = None
+        """The boundary set by set_gradient_accumulation_boundary; None while the engine counts (DeepSpeed's
+        managed accumulation)."""
+        self._inside_no_sync = False
+        self._evaluation_view: Optional[contextlib.ExitStack] = None
+        """Open while an evaluation forward made the model hold the committed parameters."""
+        self._short_update_logged = False
+        self._committed_depth = 0
+        """Nesting depth of committed_parameters() contexts: the model holds the committed parameters."""
         self.recent_commits = collections.deque(maxlen=_RECENT_COMMITS)
         """Results of the latest installed commits (micro-batch counts, norms, skips, phase timings)."""
+        self._module_hooks = [] if self.schedule.dynamic_accumulation else _register_module_hooks(self, model)
         _track(self)
         batch = config.batch
         _log_rank0(f"engine ready: type={config.optimizer_type} ranks={self.world_size} "
                    f"train_batch_size={batch.train_batch_size} micro_batch={batch.micro_batch_size} "
                    f"accumulation={batch.gradient_accumulation_steps} precision={config.precision} "
                    f"overlap={self.schedule.overlap} update_backend={ops.backend()}")
+
+    def __del__(self):
+        # DeepSpeedEngine.__del__ calls destroy(); ours finishes jobs and releases process groups,
+        # which must not happen at an arbitrary garbage collection. destroy() runs at exit anyway.
+        pass
 
     # ---- counters (owned by the schedule's progress record) ----------------------------------
     @property
@@ -113,7 +149,7 @@ class AccoEngine(torch.nn.Module):
         """The schedule's current phase (an enum of the optimizer type's module)."""
         return self.schedule.phase
 
-    # ---- DeepSpeed engine interface --------------------------------------------------------
+    # ---- the training loop -----------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self._check_healthy()
         return self.module(*inputs, **kwargs)
@@ -123,31 +159,87 @@ class AccoEngine(torch.nn.Module):
 
         Every update averages its micro-batches' gradients by their global count inside the job,
         which is what DeepSpeed's ``scale_wrt_gas=True`` computes. With ``scale_wrt_gas=False`` the
-        caller has already divided the loss by gradient_accumulation_steps (HF Trainer, Accelerate),
-        so that division is undone here and the update is the same.
+        caller has already divided the loss by the accumulation (HF Trainer), so that division is
+        undone here and the update is the same. Returns the loss as DeepSpeed does (divided by
+        gradient_accumulation_steps when ``scale_wrt_gas``).
+
+        After ``set_gradient_accumulation_boundary`` this also counts the micro-batch, and ends a
+        round inside the update where the type puts one (ACCO's first half): callers that set the
+        boundary call ``step()`` only at their boundary.
         """
         self._check_healthy()
+        self._leave_evaluation_view()
+        if self._caller_boundary is not None:
+            self._check_room_for_micro_batch()
         scale = self.schedule.backward_loss_scale()
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        multiplier = 1.0 if scale_wrt_gas else float(self.engine_config.batch.gradient_accumulation_steps)
+        accumulation = self.engine_config.batch.gradient_accumulation_steps
+        multiplier = 1.0 if scale_wrt_gas else float(accumulation)
         for flat in self.optimizer.flats:
             flat.accumulate_grads(multiplier)
         self._losses.append(loss.detach() * multiplier)
-        return loss
+        if self._caller_boundary is not None:
+            self._guard(self._caller_micro_batch_done)
+        return loss / accumulation if scale_wrt_gas else loss
 
     def step(self, lr_kwargs=None) -> None:
-        """End one micro-batch; at a round boundary the schedule waits, installs and launches."""
+        """End one micro-batch; at a round boundary the schedule waits, installs and launches.
+
+        After ``set_gradient_accumulation_boundary`` the caller decides: ``step()`` ends the update
+        when the boundary is set and does nothing otherwise (``backward`` counted the micro-batch).
+        """
         self._check_healthy()
+        self._leave_evaluation_view()
+        if self._inside_no_sync:
+            raise RuntimeError("step() was called inside engine.no_sync(); leave the no_sync() context first "
+                               "(DeepSpeed forbids it too)")
         self._step_applied = False
-        try:
-            self.schedule.micro_batch_done()
-        except CommunicationError as error:
-            self._failure = error
-            raise
+        if self._caller_boundary is None:
+            self._guard(self.schedule.micro_batch_done)
+        elif self._caller_boundary:
+            self._guard(self._end_update_at_caller_boundary)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next ``step()`` ends a round (with dynamic accumulation: whether the job is done)."""
+        """Whether the next ``step()`` ends an update (DeepSpeed's meaning).
+
+        Without a caller-set boundary: whether it ends a round (with dynamic accumulation: whether
+        the running job is done); after ``set_gradient_accumulation_boundary(b)``: ``b``.
+        """
+        if self._caller_boundary is not None:
+            return self._caller_boundary
         return self.schedule.next_step_ends_round()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Let the caller decide where updates end, as DeepSpeed does (HF Trainer, Accelerate).
+
+        From the first call on, ``backward`` counts micro-batches and the update ends at the
+        ``step()`` made while the boundary is set. Rounds inside an update still end where the type
+        puts them (ACCO's halves). An update may end early (the short last update of an epoch): it
+        then holds fewer micro-batches and averages like DeepSpeed, dividing by the accumulation
+        the config sets, since the caller normalised the loss over the micro-batches it fed. An
+        update cannot hold more than gradient_accumulation_steps micro-batches per rank.
+        """
+        if self.schedule.dynamic_accumulation:
+            raise ValueError("optimizer.params.dynamic_accumulation: with dynamic accumulation the engine ends "
+                             "rounds when the running job is done, so it cannot follow the boundaries a caller "
+                             "sets (set_gradient_accumulation_boundary, as the HF Trainer and Accelerate do); set "
+                             "dynamic_accumulation to false, or drive the engine with engine.backward(loss) and "
+                             "engine.step() on every micro-batch")
+        self._caller_boundary = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's ``no_sync``: accepted and free, since gradients stay local until a round ends.
+
+        Our rounds end where the type puts them (ACCO communicates the first half of an update
+        while the second half computes, inside ``no_sync`` too); ``step()`` inside is an error, as
+        in DeepSpeed.
+        """
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -155,10 +247,25 @@ class AccoEngine(torch.nn.Module):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    def train(self, mode: bool = True):
+        """``torch.nn.Module.train``; back in training mode the model holds what the schedule trains on."""
+        torch.nn.Module.train(self, mode)
+        if mode:
+            self._leave_evaluation_view()
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # ---- DeepSpeed's queries -----------------------------------------------------------------
     def get_lr(self) -> List[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def get_mom(self) -> List:
+        return [group["betas"] for group in self.optimizer.param_groups]
+
     def get_global_grad_norm(self) -> Optional[float]:
+        """The global gradient norm of the newest installed update, before clipping."""
         return self._last_grad_norm
 
     def train_batch_size(self) -> int:
@@ -170,8 +277,47 @@ class AccoEngine(torch.nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return self.engine_config.batch.gradient_accumulation_steps
 
+    def get_batch_info(self):
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def gradient_clipping(self) -> float:
+        return self.engine_config.gradient_clipping
+
+    def steps_per_print(self) -> Optional[int]:
+        return self.engine_config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.engine_config.wall_clock_breakdown
+
+    def managed_gradient_accumulation(self) -> bool:
+        return True
+
+    def zero_optimization(self) -> bool:
+        return True  # optimizer states are sharded over the ranks, as in ZeRO stage 1
+
     def zero_optimization_stage(self) -> int:
         return 1
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return False
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return False
+
+    def zero_offload_optimizer(self):
+        return None
+
+    def zero_offload_param(self):
+        return None
+
+    def zero_cpu_offload(self) -> bool:
+        return False
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's ``zero_optimization.gather_16bit_weights_on_model_save`` (ZeRO-3 only in DeepSpeed)."""
+        zero = self.engine_config.raw.get("zero_optimization") or {}
+        return bool(zero.get("gather_16bit_weights_on_model_save",
+                             zero.get("stage3_gather_16bit_weights_on_model_save", False)))
 
     def bfloat16_enabled(self) -> bool:
         return self.engine_config.precision == "bf16"
@@ -179,14 +325,53 @@ class AccoEngine(torch.nn.Module):
     def fp16_enabled(self) -> bool:
         return self.engine_config.precision == "fp16"
 
+    def amp_enabled(self) -> bool:
+        return False
+
+    def torch_autocast_enabled(self) -> bool:
+        return False
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.fp16_enabled() and self.schedule.loss_scale.dynamic
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        return self.engine_config.communication_torch_dtype
+
+    @property
+    def is_compiled(self) -> bool:
+        return False
+
     def optimizer_name(self) -> str:
         return self.engine_config.optimizer_type
+
+    def optimizer_params(self) -> Dict[str, Any]:
+        return dict(self.engine_config.raw["optimizer"].get("params") or {})
+
+    def scheduler_name(self) -> Optional[str]:
+        return (self.engine_config.raw.get("scheduler") or {}).get("type")
+
+    def scheduler_params(self) -> Optional[Dict[str, Any]]:
+        return (self.engine_config.raw.get("scheduler") or {}).get("params")
+
+    def dataloader_drop_last(self) -> bool:
+        return self.engine_config.dataloader_drop_last
+
+    def get_data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_parallel_rank(self) -> int:
+        return 0
 
     @property
     def config(self) -> Dict[str, Any]:
         """The DeepSpeed config as given (a dict), like ``DeepSpeedEngine.config``."""
         return self.engine_config.raw
 
+    # ---- committed parameters ----------------------------------------------------------------
     def synchronize(self) -> None:
         """Bring every rank to the same job and wait for it (collective).
 
@@ -195,6 +380,7 @@ class AccoEngine(torch.nn.Module):
         ``load_checkpoint`` call it themselves. Without dynamic accumulation it only drains.
         """
         self._check_healthy()
+        self._leave_evaluation_view()
         self._guard(self.schedule.synchronize)
 
     @contextlib.contextmanager
@@ -207,12 +393,44 @@ class AccoEngine(torch.nn.Module):
         """
         self.synchronize()
         with self.schedule.committed_parameters():
-            yield
+            self._committed_depth += 1
+            try:
+                yield
+            finally:
+                self._committed_depth -= 1
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False):
+        """The module's state dict with the committed parameters (DeepSpeed's method)."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the committed parameters in the model's dtype to ``save_dir/save_filename``."""
+        self._check_healthy()
+        state = {key: value.detach().to("cpu", copy=True)
+                 for key, value in self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters).items()}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            temporary = f"{path}.tmp-{os.getpid()}"
+            torch.save(state, temporary)
+            os.replace(temporary, path)
+        return True
 
     def destroy(self) -> None:
-        """Finish the job in flight (unless the pipeline failed) and stop the communication lane."""
+        """Finish the job in flight (unless the pipeline failed) and stop the communication lane.
+
+        The model is left holding the newest committed parameters.
+        """
         if self.lane.closed:
             return
+        self._leave_evaluation_view()
         if self._failure is None and (self.schedule.running is not None or self.schedule.dynamic_accumulation):
             try:
                 # With dynamic accumulation a peer may have launched one more job than this rank
@@ -221,6 +439,13 @@ class AccoEngine(torch.nn.Module):
             except Exception as error:  # already failing: report, but let shutdown proceed
                 self._failure = error
                 logger.warning("communication job failed during shutdown: %s", error)
+        if self._failure is None:
+            committed = self.schedule.committed_flats()  # the job is done: no waiting
+            for flat, values in zip(self.optimizer.flats, committed or []):
+                flat.install(values)
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks = []
         stopped = self.lane.close(join_timeout_s=0.0 if self._failure is not None else 10.0)
         if stopped and self._failure is None:
             # Release our process groups while the interpreter is intact: a gloo group that a
@@ -237,6 +462,7 @@ class AccoEngine(torch.nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         from .checkpoint import save_checkpoint
         self._check_healthy()
+        self._leave_evaluation_view()
         return self._guard(lambda: save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                                    save_latest=save_latest))
 
@@ -244,6 +470,7 @@ class AccoEngine(torch.nn.Module):
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         from .checkpoint import load_checkpoint
         self._check_healthy()
+        self._leave_evaluation_view()
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint: custom_load_fn is not supported by deepspeed_acco's engine; "
                              "load the module state dict yourself and pass load_module_only=True for the rest")
@@ -251,6 +478,99 @@ class AccoEngine(torch.nn.Module):
             self, load_dir, tag=tag, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only))
+
+    # ---- internals: caller-decided boundaries ------------------------------------------------
+    def _update_position(self):
+        """(index of the round in progress within its update, whether it is the update's last round)."""
+        schedule = self.schedule
+        index = schedule.round_index_in_update()
+        return index, index == schedule.rounds_per_update - 1
+
+    def _check_room_for_micro_batch(self) -> None:
+        schedule = self.schedule
+        _, last = self._update_position()
+        if last and schedule.round_micro_batches >= schedule.nominal_round_micro_batches:
+            accumulation = self.gradient_accumulation_steps()
+            raise RuntimeError(f"backward: the update already holds gradient_accumulation_steps={accumulation} "
+                               f"micro-batches per rank and the caller has not ended it; call "
+                               f"set_gradient_accumulation_boundary(True) before the last micro-batch's backward and "
+                               f"step() after it, and give the caller (Trainer, Accelerate) the same "
+                               f"gradient_accumulation_steps as the DeepSpeed config")
+
+    def _caller_micro_batch_done(self) -> None:
+        schedule = self.schedule
+        schedule.count_micro_batch()
+        _, last = self._update_position()
+        if not last and not self._caller_boundary and \
+                schedule.round_micro_batches >= schedule.nominal_round_micro_batches:
+            # A round inside the update (ACCO's first half) ends where the type puts it, unless the
+            # caller ends the whole update here: step() then ends it as a short update.
+            schedule.end_round()
+
+    def _end_update_at_caller_boundary(self) -> None:
+        """End the update now. Each round is counted as its share of gradient_accumulation_steps, so
+        that a short update averages as in DeepSpeed (gradient sum / (accumulation x ranks))."""
+        schedule = self.schedule
+        index, _ = self._update_position()
+        if index == 0 and schedule.round_micro_batches == 0:
+            raise RuntimeError("step(): the accumulation boundary is set but no backward() ran since the last "
+                               "update; call engine.backward(loss) for each micro-batch before the step() that "
+                               "ends the update")
+        nominal = schedule.nominal_round_micro_batches
+        remaining = self.gradient_accumulation_steps() - index * nominal
+        if schedule.round_micro_batches < remaining and not self._short_update_logged:
+            self._short_update_logged = True
+            _log_rank0(f"step {self.global_steps}: the caller ended an update after "
+                       f"{index * nominal + schedule.round_micro_batches} of gradient_accumulation_steps="
+                       f"{self.gradient_accumulation_steps()} micro-batches (e.g. the last one of an epoch); it is "
+                       f"committed as a short update, averaged like DeepSpeed's (logged once)")
+        # Rounds the update ends early are counted as the rest of it: for ACCO's first half this lets
+        # the estimate use the whole (short) batch, and the empty second half adds nothing.
+        schedule.round_micro_batches = remaining
+        schedule.end_round()
+        while schedule.round_index_in_update() != 0:
+            schedule.round_micro_batches = 0
+            schedule.end_round()
+
+    # ---- internals: the committed parameters where the module is read directly ----------------
+    def _pipeline_usable(self) -> bool:
+        return not self.lane.closed and self._failure is None
+
+    def _before_module_forward(self, module: torch.nn.Module) -> None:
+        if module.training or torch.is_grad_enabled():
+            self._leave_evaluation_view()
+        else:
+            self._enter_evaluation_view()
+
+    def _enter_evaluation_view(self) -> None:
+        if self._evaluation_view is not None or self._committed_depth or not self._pipeline_usable():
+            return
+        view = contextlib.ExitStack()
+        self._guard(lambda: view.enter_context(self.schedule.committed_parameters()))
+        self._evaluation_view = view
+
+    def _leave_evaluation_view(self) -> None:
+        view, self._evaluation_view = self._evaluation_view, None
+        if view is not None:
+            view.close()  # the model holds what it held before the evaluation again
+
+    def _committed_into_state_dict(self, module: torch.nn.Module, state_dict, prefix: str) -> None:
+        """Replace the trainable parameters in ``state_dict`` by the committed ones, one tensor each
+        (tied parameters share theirs)."""
+        if self._evaluation_view is not None or self._committed_depth or not self._pipeline_usable():
+            return  # the model holds the committed parameters (or nothing else is known)
+        self._guard(self.schedule.drain)
+        committed = self.schedule.committed_flats()
+        if committed is None:
+            return
+        values = {}
+        for flat, full in zip(self.optimizer.flats, committed):
+            for p, offset in zip(flat.params, flat.offsets):
+                values[id(p)] = full[offset:offset + p.numel()].view_as(p).to(flat.model_dtype, copy=True)
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if id(p) in values and key in state_dict and not isinstance(state_dict[key], torch.nn.Parameter):
+                state_dict[key] = values[id(p)]  # keep_vars=True callers get the parameters themselves
 
     # ---- internals -------------------------------------------------------------------------
     def _guard(self, action):
@@ -286,7 +606,10 @@ class AccoEngine(torch.nn.Module):
     def _report_progress(self) -> None:
         interval = self.engine_config.steps_per_print
         progress = self.schedule.progress
-        if interval is None or progress.global_steps % interval:
+        if interval is None:  # never printed (Accelerate sets infinity): keep no losses either
+            self._losses.clear()
+            return
+        if progress.global_steps % interval:
             return
         losses = [float(loss) for loss in self._losses]
         mean_loss = sum(losses) / len(losses) if losses else float("nan")
@@ -309,9 +632,71 @@ class AccoEngine(torch.nn.Module):
     def __getattr__(self, name):
         # Like DeepSpeed's engine: unknown attributes come from the wrapped module.
         try:
-            return super().__getattr__(name)
+            return torch.nn.Module.__getattr__(self, name)
         except AttributeError:
-            module = super().__getattr__("module")
-            if hasattr(module, name):
-                return getattr(module, name)
-            raise
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}, nor has its module. "
+                             f"deepspeed_acco's engine is a DeepSpeedEngine that does not run DeepSpeed's "
+                             f"constructor, so DeepSpeed's internal state is not there; docs/hf.md lists the "
+                             f"engine interface it implements")
+
+
+def _register_module_hooks(engine: AccoEngine, module: torch.nn.Module) -> list:
+    """Hooks that show the committed parameters where the module is read directly (see the module docstring).
+
+    They hold the engine weakly: the module may outlive it.
+    """
+    reference = weakref.ref(engine)
+
+    def before_forward(hooked_module, args):
+        current = reference()
+        if current is not None:
+            current._before_module_forward(hooked_module)
+
+    def after_state_dict(hooked_module, state_dict, prefix, local_metadata):
+        current = reference()
+        if current is not None:
+            current._committed_into_state_dict(hooked_module, state_dict, prefix)
+
+    def before_load_state_dict(hooked_module, *args):
+        current = reference()
+        if current is not None:
+            current._leave_evaluation_view()  # what gets loaded must not be undone when training resumes
+
+    register_state_dict_post_hook = getattr(module, "register_state_dict_post_hook", None) \
+        or module._register_state_dict_hook  # torch < 2.5
+    return [module.register_forward_pre_hook(before_forward), register_state_dict_post_hook(after_state_dict),
+            module.register_load_state_dict_pre_hook(before_load_state_dict)]
+
+
+def _unsupported(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"DeepSpeedEngine.{name}() is not available on deepspeed_acco's engine (optimizer type "
+            f"{self.engine_config.optimizer_type}): it works on state that DeepSpeed's own optimizers build. "
+            f"docs/hf.md lists what the engine implements; for {name}() use one of DeepSpeed's optimizer types")
+    method.__name__ = name
+    method.__qualname__ = f"AccoEngine.{name}"
+    return method
+
+
+def _unsupported_attribute(name: str):
+    def getter(self):
+        raise AttributeError(f"DeepSpeedEngine.{name} is not available on deepspeed_acco's engine; docs/hf.md lists "
+                             f"what the engine implements")
+    return getter
+
+
+# Every other DeepSpeedEngine method raises a clear error instead of failing on state that
+# DeepSpeed's constructor would have created. Static helpers are stateless and stay.
+for _name, _value in vars(DeepSpeedEngine).items():
+    if _name.startswith("__") or _name in vars(AccoEngine) or isinstance(_value, staticmethod):
+        continue
+    if callable(_value):
+        setattr(AccoEngine, _name, _unsupported(_name))
+    elif isinstance(_value, property):  # an AttributeError, so that hasattr() probes keep working
+        setattr(AccoEngine, _name, property(_unsupported_attribute(_name)))
+del _name, _value

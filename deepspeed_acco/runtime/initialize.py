@@ -94,11 +94,22 @@ def _param_groups(model: torch.nn.Module, model_parameters) -> List[Dict]:
     return groups
 
 
+def _is_accelerate_placeholder(value: Any, class_name: str) -> bool:
+    """Whether ``value`` is accelerate's ``DummyOptim``/``DummyScheduler`` (recognised without importing accelerate)."""
+    kind = type(value)
+    return kind.__name__ == class_name and kind.__module__.split(".")[0] == "accelerate"
+
+
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: Optional[int] = None, mpu: Any = None, dist_init_required: Optional[bool] = None,
                collate_fn: Any = None, config: Any = None, config_params: Any = None, **kwargs):
-    """Same signature and return as ``deepspeed.initialize``: ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    """Same signature and return as ``deepspeed.initialize``: ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    Accelerate's ``DummyOptim`` (the HF Trainer passes one when the config names the optimizer) is
+    not a client optimizer: its params become ``model_parameters``. A ``DummyScheduler`` stands for
+    its ``lr_scheduler_callable``, or for the config's scheduler when it has none.
+    """
     given = config if config is not None else config_params
     args_config = getattr(args, "deepspeed_config", None) if args is not None else None
     if args_config is not None and given is not None:
@@ -121,13 +132,22 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     if model is None:
         raise ValueError("model: deepspeed_acco.initialize requires a model")
+    if _is_accelerate_placeholder(optimizer, "DummyOptim"):
+        # The HF Trainer / Accelerate stand-in for "the optimizer is in the config": its params are ours.
+        model_parameters = optimizer.params if model_parameters is None else model_parameters
+        optimizer = None
     if optimizer is not None:
         raise ValueError("optimizer: a client optimizer was passed but the config selects optimizer type "
                          f"{config_dict['optimizer']['type']!r}; remove one of the two")
+    if _is_accelerate_placeholder(lr_scheduler, "DummyScheduler"):
+        # Its callable (if any) builds the scheduler on our optimizer; without one the config's section does.
+        lr_scheduler = lr_scheduler.lr_scheduler_callable
     if mpu is not None:
         raise ValueError("mpu: model parallelism is not supported by deepspeed_acco's optimizers; remove mpu")
-    if kwargs:
-        raise ValueError(f"unsupported arguments for our optimizer types: {sorted(kwargs)}")
+    unsupported = sorted(name for name, value in kwargs.items() if value is not None)
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)}: not supported with deepspeed_acco's optimizer types; remove "
+                         f"the argument (or pass None)")
     acco_config = parse_config(config_dict, _world_size_before_init())
     param_groups = _param_groups(model, model_parameters)
     if dist_init_required is not False:

@@ -196,14 +196,18 @@ class Schedule:
 
     def micro_batch_done(self) -> bool:
         """Count one micro-batch; run the boundary if it ends the round. Returns True at a boundary."""
+        self.count_micro_batch()
+        if not self.round_ends():
+            return False
+        self.end_round()
+        return True
+
+    def count_micro_batch(self) -> None:
+        """Count one micro-batch whose gradients were added to the round in progress."""
         self.progress.micro_steps += 1
         if not self.dynamic_accumulation:
             self.progress.global_samples += self.micro_batch_size * self.world_size
         self.round_micro_batches += 1
-        if not self.round_ends():
-            return False
-        self._run_boundary()
-        return True
 
     def round_ends(self) -> bool:
         if self.dynamic_accumulation and self.running is not None:
@@ -217,7 +221,16 @@ class Schedule:
             return self.running.is_done()
         return self.round_micro_batches + 1 >= self.nominal_round_micro_batches
 
-    def _run_boundary(self) -> None:
+    def round_index_in_update(self) -> int:
+        """Position (0-based) of the round in progress within its update.
+
+        Assumes the ``Phase`` members are listed in round order, one per round of an update (ACCO:
+        first half, second half); a type whose phases are laid out otherwise overrides this.
+        """
+        return list(self.Phase).index(self.phase) % self.rounds_per_update
+
+    def end_round(self) -> None:
+        """Run the boundary now, whatever the round's length: wait, install, launch."""
         self._boundary_wait_s = 0.0
         self.boundary()
         self.total_wait_s += self._boundary_wait_s
@@ -244,7 +257,7 @@ class Schedule:
         if self.dynamic_accumulation and self.world_size > 1:
             target = self.control.max(self.jobs_launched)
             while self.jobs_launched < target:
-                self._run_boundary()
+                self.end_round()
         self.drain()
 
     def pending_commit(self) -> Optional[JobResult]:
