@@ -17,6 +17,7 @@ master weights and the rule's state, ``estimate`` (ACCO's Peek) only writes the 
 commit would give.
 """
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -116,6 +117,18 @@ class JobResult:
     timings_s: Dict[str, float] = field(default_factory=dict)
 
 
+def correctly_rounded_sqrt(value: torch.Tensor) -> torch.Tensor:
+    """The square root of a 0-dim float64 tensor, correctly rounded, on the tensor's device.
+
+    torch's float64 sqrt on the CPU is a vectorised approximation that is off by one ulp now and
+    then; the host's ``math.sqrt`` is exact, and reading a CPU tensor is no synchronisation. CUDA's
+    float64 sqrt is IEEE-exact. So CPU results stay bitwise those of the host arithmetic.
+    """
+    if value.device.type == "cpu":
+        return torch.tensor(math.sqrt(value.item()), dtype=torch.float64)
+    return torch.sqrt(value)
+
+
 def update_decision(statistics: torch.Tensor, *, carried_micro_batches: int,
                     gradient_clipping: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """What an update does, decided on the statistics' device (no host synchronisation).
@@ -133,7 +146,8 @@ def update_decision(statistics: torch.Tensor, *, carried_micro_batches: int,
     global_sumsq, round_micro_batches = statistics[0], statistics[1]
     micro_batches = torch.round(round_micro_batches) + float(carried_micro_batches)
     defined = torch.isfinite(global_sumsq) & (micro_batches > 0)
-    grad_norm = torch.where(defined, torch.sqrt(global_sumsq) / micro_batches, float("nan"))
+    root = correctly_rounded_sqrt(torch.where(defined, global_sumsq, 0.0))
+    grad_norm = torch.where(defined, root / micro_batches, float("nan"))
     skip = ~torch.isfinite(grad_norm)
     multiplier = micro_batches.reciprocal()
     if gradient_clipping > 0.0:

@@ -29,7 +29,7 @@ import torch
 from ... import ops
 from ..comm import Communicator, CompletedWork, DeviceReadback, PhaseClock
 from ..flat import FlatParamGroup
-from ..jobs import JobKind
+from ..jobs import JobKind, correctly_rounded_sqrt
 from ..optimizer import ShardedOptimizer
 from ..schedule import BuildContext, CheckpointState, Schedule, result_to_dict
 from .params import AdamWParams, config_error
@@ -128,8 +128,8 @@ def outer_decision(statistics: torch.Tensor, *, num_groups: int,
     Same float64 arithmetic as the host computed before: lambda = 1 + ||x_{k+1} - x_k|| /
     (max_j ||y_j - x_k|| + 1e-12) when adaptive; skipped if anything is non-finite.
     """
-    max_displacement = torch.sqrt(statistics[:num_groups].max())
-    anchor_move = torch.sqrt(statistics[num_groups])
+    max_displacement = correctly_rounded_sqrt(statistics[:num_groups].max())
+    anchor_move = correctly_rounded_sqrt(statistics[num_groups])
     skip = (statistics[num_groups + 1] > 0) | ~torch.isfinite(max_displacement)
     if gap_penalty == ADAPTIVE:
         penalty = anchor_move / (max_displacement + DISPLACEMENT_EPSILON) + 1.0
