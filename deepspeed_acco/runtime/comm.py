@@ -183,10 +183,10 @@ class DeviceReadback:
             self._host = self.values
 
     def finish(self) -> Any:
-        if self._host is None:  # never handed to a lane (direct calls in tests)
+        if self._host is None:  # a job called directly, not through a lane: copy, and wait for the copy here
             self.start()
-            if self._host.device.type != "cpu":
-                torch.cuda.current_stream().synchronize()
+            if self.values.is_cuda:
+                torch.cuda.current_stream(self.values.device).synchronize()
         return self.build(self._host.tolist(), self.clock.seconds() if self.clock is not None else {})
 
 
