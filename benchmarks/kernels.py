@@ -4,7 +4,8 @@ For each flat-shard size, times (median ms per call over interleaved rounds) and
 effective bandwidth (nominal bytes moved / time) of:
 
 * ``copy``: ``dst.copy_(src)`` in fp32, the bandwidth roofline measured in the same run;
-* deepspeed-acco's ``adamw_step`` (alone, with a bf16 output) and ``adamw_peek`` (fp32, bf16 out);
+* deepspeed-acco's ``adamw_step`` (alone, with a bf16 output) and ``adamw_peek`` (fp32, bf16 out),
+  and both as the engine's jobs call them (device-side control tensor, bf16 out);
 * ``torch.optim.AdamW`` fused and foreach, and fused followed by a separate bf16 cast-copy;
 * DeepSpeed's ``DeepSpeedCPUAdam`` (CPU only);
 * the ACCO reference's estimate: clone parameters and moments, step, copy out, restore
@@ -154,6 +155,17 @@ def update_cases(numel: int, device: str):
         lambda: ops.adamw_peek(p, g, m, v, step=10, out=out_f32, **HYPER), 20)
     cases["acco adamw_peek (bf16 out)"] = (
         lambda: ops.adamw_peek(p, g, m, v, step=10, out=out_bf16, **HYPER), 18)
+    # What the engine's jobs call: the gradient multiplier and skip flag in a device-side control
+    # tensor (read by every thread, never by the host).
+    control = ops.make_control(torch.tensor(0.5, device=device), torch.tensor(False, device=device))
+
+    def acco_step_controlled(out=None):
+        step_counter["adamw_step"] += 1
+        ops.adamw_step(p, g, m, v, step=step_counter["adamw_step"], out=out, control=control, **HYPER)
+
+    cases["acco adamw_step (control) + bf16 out"] = (lambda: acco_step_controlled(out_bf16), 30)
+    cases["acco adamw_peek (control, bf16 out)"] = (
+        lambda: ops.adamw_peek(p, g, m, v, step=10, out=out_bf16, control=control, **HYPER), 18)
 
     def torch_adamw(**kwargs):
         param, grad, _, _ = state()
@@ -313,7 +325,7 @@ def _cpu_update_targets(label, results):
 
 def _gpu_targets(label, results):
     checks = []
-    for name in ("acco adamw_step", "acco adamw_peek (fp32 out)"):
+    for name in ("acco adamw_step", "acco adamw_peek (fp32 out)", "acco adamw_step (control) + bf16 out"):
         if name not in results:
             continue
         fractions = []

@@ -212,3 +212,51 @@ def test_a_killed_rank_makes_the_survivor_fail_fast_and_the_job_resumes_exactly(
     resumed = run_distributed(_resume_after_crash, 2, str(tmp_path))
     uninterrupted = run_distributed(_uninterrupted, 2)
     assert torch.equal(resumed[0], uninterrupted[0]) and torch.equal(resumed[1], uninterrupted[1])
+
+
+HUNG_TIMEOUT_S = 5
+
+
+def _hung_peer_rank(rank, world_size, port, result_path):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    import deepspeed_acco
+    from deepspeed_acco.runtime.comm import CommunicationError, process_group_timeout_s
+    model = TinyNet(seed=0)
+    config = _config("DPU", gradient_accumulation_steps=2)
+    config["optimizer"]["params"]["communication_timeout_s"] = HUNG_TIMEOUT_S
+    engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for index in range(40):
+        if rank == 1 and index == 5:
+            # Alive but stuck (a hung peer, not a dead one: its connections stay open), past our
+            # timeout but not past the process groups' own.
+            time.sleep(process_group_timeout_s(HUNG_TIMEOUT_S) - 10)
+            os._exit(0)
+        x, y = batch(rank, index)
+        engine.backward(loss_fn(engine(x), y))
+        started = time.monotonic()
+        try:
+            engine.step()
+        except CommunicationError as error:
+            with open(result_path, "wb") as handle:
+                pickle.dump({"error": str(error), "index": index, "waited_s": time.monotonic() - started,
+                             "group_timeout_s": process_group_timeout_s(HUNG_TIMEOUT_S)}, handle)
+            os._exit(3)  # the job's worker is still inside gloo: leave without interpreter finalisation
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_hung_peer_is_reported_by_the_hang_check_before_gloo_times_out(tmp_path):
+    result_path = str(tmp_path / "survivor.pkl")
+    exit_codes = run_until_exit(_hung_peer_rank, 2, result_path, timeout_s=120)
+    assert exit_codes == [3, 0], exit_codes
+    with open(result_path, "rb") as handle:
+        survivor = pickle.load(handle)
+    message = survivor["error"]
+    assert "has not completed" in message and "collective" in message and "'acco-jobs'" in message, message
+    # Rank 1 stopped before micro-batch 5; rank 0 launched commit 3 at the boundary after micro-batch 5
+    # (its reduce-scatter hangs) and waits for it at the next one.
+    assert survivor["index"] == 7
+    assert HUNG_TIMEOUT_S - 1 <= survivor["waited_s"] < HUNG_TIMEOUT_S + 3 < survivor["group_timeout_s"]
+

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
-from .comm import Communicator, ControlPlane, Lane, new_communicator, new_control_plane
+from .comm import Communicator, ControlPlane, Lane, new_communicator, new_control_plane, prepare_nccl_environment
 from .loss_scale import LossScale
 from .optimizers import lookup
 from .schedule import BuildContext, Schedule
@@ -44,6 +44,8 @@ def build(*, module: torch.nn.Module, param_groups: List[Dict], config: EngineCo
           client_lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None) -> Parts:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     timeout_s = config.params.communication_timeout_s
+    if dist.get_backend() == "nccl":
+        prepare_nccl_environment()  # before this process's first NCCL launch (broadcast_model's)
     module.to(device=device, dtype=config.model_torch_dtype if config.precision != "fp32" else None)
     broadcast_model(module)
 

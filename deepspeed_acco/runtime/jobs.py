@@ -1,13 +1,16 @@
 """The shard-update communication job: reduce-scatter -> shard update -> all-gather (docs/design.md, 3).
 
-One job updates every flat group. It runs on the communication lane, never on the training
-thread, and touches only buffers that the schedule has handed over for its duration:
-``FlatParamGroup.job_grad`` (input), the rank's :class:`ShardState` and the gather target.
+One job updates every flat group. It runs on the communication lane (a CPU worker thread, or
+enqueued on a side stream by the training thread on CUDA) and touches only buffers that the
+schedule has handed over for its duration: ``FlatParamGroup.job_grad`` (input), the rank's
+:class:`ShardState` and the gather target.
 
 Inside the job, on the reduced shard: undo the loss scale the round's backward used, average by
 the global number of contributing micro-batches, clip by the global norm, and skip the update on
 every rank if any gradient is non-finite; one small all-reduce carries the squared norm and the
-micro-batch count.
+micro-batch count. All of this stays on the device (:func:`update_decision`): the clip factor and
+the skip flag reach the fused kernels as a control tensor, and the job's statistics come back to
+the host as a :class:`~deepspeed_acco.runtime.comm.DeviceReadback`, read at the boundary's wait.
 
 The update itself is an :class:`UpdateRule` (AdamW for our four types): ``commit`` changes the
 master weights and the rule's state, ``estimate`` (ACCO's Peek) only writes the parameters a
@@ -17,12 +20,12 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .. import ops
-from .comm import Communicator
+from .comm import Communicator, DeviceReadback, PhaseClock
 from .flat import FlatParamGroup
 
 # torch.nn.utils.clip_grad_norm_ and DeepSpeed add this to the norm before dividing.
@@ -50,10 +53,15 @@ class UpdateRule:
         """What ``commit``/``estimate`` take from a param group, read at launch (schedulers change lr)."""
         raise NotImplementedError
 
-    def commit(self, master, grad, state: Dict[str, torch.Tensor], *, step: int, out, **hyper) -> None:
+    def commit(self, master, grad, state: Dict[str, torch.Tensor], *, step: int, out, control, **hyper) -> None:
+        """Update ``master`` and ``state`` from ``grad * control[CONTROL_VALUE]``; write the new parameters to ``out``.
+
+        ``control`` (:func:`deepspeed_acco.ops.make_control`) lives on the device; when its skip flag
+        is set nothing changes and ``out`` receives ``master``.
+        """
         raise NotImplementedError
 
-    def estimate(self, master, grad, state: Dict[str, torch.Tensor], *, step: int, out, **hyper) -> None:
+    def estimate(self, master, grad, state: Dict[str, torch.Tensor], *, step: int, out, control, **hyper) -> None:
         raise ValueError(f"{type(self).__name__} has no read-only estimate")
 
 
@@ -70,11 +78,13 @@ class AdamWRule(UpdateRule):
         return dict(lr=float(param_group["lr"]), beta1=float(beta1), beta2=float(beta2),
                     eps=float(param_group["eps"]), weight_decay=float(param_group["weight_decay"]))
 
-    def commit(self, master, grad, state, *, step, out, **hyper) -> None:
-        ops.adamw_step(master, grad, state["exp_avg"], state["exp_avg_sq"], step=step, out=out, **hyper)
+    def commit(self, master, grad, state, *, step, out, control, **hyper) -> None:
+        ops.adamw_step(master, grad, state["exp_avg"], state["exp_avg_sq"], step=step, out=out, control=control,
+                       **hyper)
 
-    def estimate(self, master, grad, state, *, step, out, **hyper) -> None:
-        ops.adamw_peek(master, grad, state["exp_avg"], state["exp_avg_sq"], step=step, out=out, **hyper)
+    def estimate(self, master, grad, state, *, step, out, control, **hyper) -> None:
+        ops.adamw_peek(master, grad, state["exp_avg"], state["exp_avg_sq"], step=step, out=out, control=control,
+                       **hyper)
 
 
 ADAMW = AdamWRule()
@@ -103,8 +113,48 @@ class JobResult:
     global_micro_batches: int
     """Micro-batches, over all ranks, whose gradients this update averaged (with carried ones)."""
     grad_norm: float
-    """Global L2 norm of the averaged gradient before clipping (nan/inf when skipped)."""
+    """Global L2 norm of the averaged gradient before clipping (nan when skipped)."""
     timings_s: Dict[str, float] = field(default_factory=dict)
+
+
+def correctly_rounded_sqrt(value: torch.Tensor) -> torch.Tensor:
+    """The square root of a 0-dim float64 tensor, correctly rounded, on the tensor's device.
+
+    torch's float64 sqrt on the CPU is a vectorised approximation that is off by one ulp now and
+    then; the host's ``math.sqrt`` is exact, and reading a CPU tensor is no synchronisation. CUDA's
+    float64 sqrt is IEEE-exact. So CPU results stay bitwise those of the host arithmetic.
+    """
+    if value.device.type == "cpu":
+        return torch.tensor(math.sqrt(value.item()), dtype=torch.float64)
+    return torch.sqrt(value)
+
+
+def update_decision(statistics: torch.Tensor, *, carried_micro_batches: int,
+                    gradient_clipping: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What an update does, decided on the statistics' device (no host synchronisation).
+
+    ``statistics`` = [sum over ranks and groups of ||grad sum||^2, micro-batches of the round over
+    ranks] (float64, all-reduced). Returns ``(control, summary)``: the kernels' control tensor
+    [gradient multiplier 1 / micro-batches (times the clip factor), skip flag] and the float64
+    summary [skipped, grad_norm, global micro-batches] the result is read from.
+
+    The arithmetic is float64, operation for operation what the host computed before (so the fp32
+    multiplier is bitwise the same): norm = sqrt(sumsq) / micro-batches, nan if either is
+    non-finite or there are no micro-batches; multiplier = 1 / micro-batches, times
+    clipping / (norm + 1e-6) when the norm exceeds ``gradient_clipping`` > 0.
+    """
+    global_sumsq, round_micro_batches = statistics[0], statistics[1]
+    micro_batches = torch.round(round_micro_batches) + float(carried_micro_batches)
+    defined = torch.isfinite(global_sumsq) & (micro_batches > 0)
+    root = correctly_rounded_sqrt(torch.where(defined, global_sumsq, 0.0))
+    grad_norm = torch.where(defined, root / micro_batches, float("nan"))
+    skip = ~torch.isfinite(grad_norm)
+    multiplier = micro_batches.reciprocal()
+    if gradient_clipping > 0.0:
+        clip = torch.div(torch.full_like(grad_norm, gradient_clipping), grad_norm + CLIP_EPSILON)
+        multiplier = torch.where(grad_norm > gradient_clipping, multiplier * clip, multiplier)
+    summary = torch.stack([skip.to(torch.float64), grad_norm, micro_batches])
+    return ops.make_control(multiplier, skip), summary
 
 
 @dataclass
@@ -131,58 +181,48 @@ class ShardUpdateJob:
     carried_micro_batches: int = 0
     """Global micro-batch count of ``carried``."""
 
-    def __call__(self) -> JobResult:
-        timings = {}
+    def __call__(self) -> DeviceReadback:
+        device = self.states[0].master.device
+        clock = PhaseClock(device)
         cpu_start = time.thread_time()
-        start = time.perf_counter()
-        for flat, state in zip(self.flats, self.states):
-            self.communicator.reduce_scatter(state.reduced, flat.job_grad)
-        timings["reduce_scatter"] = time.perf_counter() - start
+        with clock.phase("reduce_scatter"):
+            for flat, state in zip(self.flats, self.states):
+                self.communicator.reduce_scatter(state.reduced, flat.job_grad)
 
-        start = time.perf_counter()
-        squares = []
-        for index, state in enumerate(self.states):
-            torch.mul(state.reduced, 1.0 / self.loss_scale, out=state.grad)
-            if self.keep_reduced is not None:
-                self.keep_reduced[index].copy_(state.grad)
-            if self.carried is not None:
-                state.grad.add_(self.carried[index])
-            squares.append(torch.linalg.vector_norm(state.grad).double().square())
-        statistics = torch.stack([torch.stack(squares).sum(),
-                                  torch.tensor(float(self.local_micro_batches), dtype=torch.float64,
-                                               device=squares[0].device)])
-        timings["norm"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self.communicator.all_reduce(statistics)
-        timings["all_reduce"] = time.perf_counter() - start
-        global_sumsq, round_micro_batches = statistics.tolist()  # the job's one host read
-        micro_batches = int(round(round_micro_batches)) + self.carried_micro_batches
-        grad_norm = math.sqrt(global_sumsq) / micro_batches if math.isfinite(global_sumsq) and micro_batches \
-            else float("nan")
-        skipped = not math.isfinite(grad_norm)
+        with clock.phase("norm"):
+            squares = []
+            for index, state in enumerate(self.states):
+                torch.mul(state.reduced, 1.0 / self.loss_scale, out=state.grad)
+                if self.keep_reduced is not None:
+                    self.keep_reduced[index].copy_(state.grad)
+                if self.carried is not None:
+                    state.grad.add_(self.carried[index])
+                squares.append(torch.linalg.vector_norm(state.grad).double().square())
+            local_micro_batches = torch.full((), float(self.local_micro_batches), dtype=torch.float64, device=device)
+            statistics = torch.stack([torch.stack(squares).sum(), local_micro_batches])
+        with clock.phase("all_reduce"):
+            self.communicator.all_reduce(statistics)
 
-        start = time.perf_counter()
-        update = self.rule.commit if self.kind is JobKind.COMMIT else self.rule.estimate
-        for flat, state, hyper in zip(self.flats, self.states, self.hyperparameters):
-            out = flat.shard_of(flat.gather_target())
-            if skipped:
-                # Every rank skips (the statistics were all-reduced); the gather restores the master
-                # weights, which matters for ACCO whose model may hold an estimate at this point.
-                out.copy_(state.master)
-                continue
-            scale = 1.0 / micro_batches
-            if self.gradient_clipping > 0.0 and grad_norm > self.gradient_clipping:
-                scale *= self.gradient_clipping / (grad_norm + CLIP_EPSILON)
-            state.grad.mul_(scale)
-            update(state.master, state.grad, state.state, step=self.step, out=out, **hyper)
-        timings["update"] = time.perf_counter() - start
+        with clock.phase("update"):
+            control, summary = update_decision(statistics, carried_micro_batches=self.carried_micro_batches,
+                                               gradient_clipping=self.gradient_clipping)
+            # A skipped update (decided on every rank alike, from all-reduced statistics) gathers the
+            # master weights, which matters for ACCO, whose model may hold an estimate at this point.
+            update = self.rule.commit if self.kind is JobKind.COMMIT else self.rule.estimate
+            for flat, state, hyper in zip(self.flats, self.states, self.hyperparameters):
+                update(state.master, state.grad, state.state, step=self.step, out=flat.shard_of(flat.gather_target()),
+                       control=control, **hyper)
 
-        start = time.perf_counter()
-        for flat in self.flats:
-            target = flat.gather_target()
-            self.communicator.all_gather(target, flat.shard_of(target))
-        timings["all_gather"] = time.perf_counter() - start
-        # CPU time of this thread: on a CPU cluster it is taken from the model's compute.
-        timings["worker_cpu"] = time.thread_time() - cpu_start
-        return JobResult(kind=self.kind, skipped=skipped, local_micro_batches=self.local_micro_batches,
-                         global_micro_batches=micro_batches, grad_norm=grad_norm, timings_s=timings)
+        with clock.phase("all_gather"):
+            for flat in self.flats:
+                target = flat.gather_target()
+                self.communicator.all_gather(target, flat.shard_of(target))
+        if not clock.cuda:
+            # CPU time of this thread: on a CPU cluster it is taken from the model's compute.
+            clock.record("worker_cpu", time.thread_time() - cpu_start)
+        return DeviceReadback(summary, self._result, clock)
+
+    def _result(self, summary: List[float], timings_s: Dict[str, float]) -> JobResult:
+        skipped, grad_norm, micro_batches = summary
+        return JobResult(kind=self.kind, skipped=bool(skipped), local_micro_batches=self.local_micro_batches,
+                         global_micro_batches=int(round(micro_batches)), grad_norm=grad_norm, timings_s=timings_s)

@@ -21,17 +21,15 @@ Gap penalty lambda: a constant, or adaptive: 1 + ||x_{k+1} - x_k|| / (max_i ||y^
 """
 import enum
 import logging
-import math
-import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ... import ops
-from ..comm import Communicator, CompletedWork
+from ..comm import Communicator, CompletedWork, DeviceReadback, PhaseClock
 from ..flat import FlatParamGroup
-from ..jobs import JobKind
+from ..jobs import JobKind, correctly_rounded_sqrt
 from ..optimizer import ShardedOptimizer
 from ..schedule import BuildContext, CheckpointState, Schedule, result_to_dict
 from .params import AdamWParams, config_error
@@ -120,6 +118,27 @@ class OuterResult:
     timings_s: Dict[str, float] = field(default_factory=dict)
 
 
+def outer_decision(statistics: torch.Tensor, *, num_groups: int,
+                   gap_penalty: Union[float, str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The outer update's penalty and skip flag, decided on the statistics' device (no host sync).
+
+    ``statistics`` = [||y_j - x_k||^2 for each group j, ||x_{k+1} - x_k||^2, non-finite count of the
+    mean displacement] (float64, all-reduced). Returns ``(control, summary)``: the kernel's control
+    tensor [lambda, skip] and the float64 summary [skipped, penalty, anchor_move, max_displacement].
+    Same float64 arithmetic as the host computed before: lambda = 1 + ||x_{k+1} - x_k|| /
+    (max_j ||y_j - x_k|| + 1e-12) when adaptive; skipped if anything is non-finite.
+    """
+    max_displacement = correctly_rounded_sqrt(statistics[:num_groups].max())
+    anchor_move = correctly_rounded_sqrt(statistics[num_groups])
+    skip = (statistics[num_groups + 1] > 0) | ~torch.isfinite(max_displacement)
+    if gap_penalty == ADAPTIVE:
+        penalty = anchor_move / (max_displacement + DISPLACEMENT_EPSILON) + 1.0
+    else:
+        penalty = torch.full_like(anchor_move, float(gap_penalty))
+    summary = torch.stack([skip.to(torch.float64), penalty, anchor_move, max_displacement])
+    return ops.make_control(penalty, skip), summary
+
+
 @dataclass
 class CO2OuterJob:
     """Job J_k: reduce-scatter the displacements, outer update on the shard, all-gather x_{k+2}."""
@@ -130,56 +149,48 @@ class CO2OuterJob:
     group_index: int
     params: CO2Params
     local_displacement_sq: torch.Tensor
-    """||y_k - x_k||^2 over this rank's inner shards (a 0-dim float64 tensor, no host sync)."""
+    """||y_k - x_k||^2 over this rank's inner shards (a 0-dim float64 tensor, computed on the training
+    stream; the job's Work owns it until the job is known complete)."""
 
-    def __call__(self) -> OuterResult:
-        timings = {}
-        start = time.perf_counter()
-        for state in self.states:
-            self.communicator.reduce_scatter(state.mean_displacement, state.displacement)
-        timings["reduce_scatter"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        num_groups = self.num_groups
+    def __call__(self) -> DeviceReadback:
         device = self.states[0].anchor.device
-        # [||y_j - x_k||^2 of each group j (this rank adds its shard's part), ||x_{k+1} - x_k||^2,
-        #  non-finite count], summed over ranks.
-        statistics = torch.zeros(num_groups + 2, dtype=torch.float64, device=device)
-        statistics[self.group_index] = self.local_displacement_sq
-        statistics[num_groups] = sum(torch.linalg.vector_norm(s.anchor - s.prev_anchor).double().square()
-                                     for s in self.states)
-        statistics[num_groups + 1] = sum((~torch.isfinite(s.mean_displacement)).sum() for s in self.states)
-        self.communicator.all_reduce(statistics)
-        values = statistics.tolist()  # the job's one host read
-        max_displacement = math.sqrt(max(values[:num_groups]))
-        anchor_move = math.sqrt(values[num_groups])
-        skipped = values[num_groups + 1] > 0 or not math.isfinite(max_displacement)
-        if self.params.gap_penalty == ADAPTIVE:
-            penalty = 1.0 + anchor_move / (max_displacement + DISPLACEMENT_EPSILON)
-        else:
-            penalty = float(self.params.gap_penalty)
-        timings["statistics"] = time.perf_counter() - start
+        clock = PhaseClock(device)
+        with clock.phase("reduce_scatter"):
+            for state in self.states:
+                self.communicator.reduce_scatter(state.mean_displacement, state.displacement)
 
-        start = time.perf_counter()
-        for state in self.states:
-            out = state.shard_of(state.gather)
-            if skipped:
-                state.prev_anchor.copy_(state.anchor)  # x_{k+2} = x_{k+1}: the anchor stays
-                out.copy_(state.anchor)
-                continue
-            # ybar_k = x_k + (sum over ranks of the displacement shards) / groups, in fp32.
-            mean_params = state.mean_displacement.float().div_(num_groups).add_(state.prev_anchor)
-            ops.co2_outer_step(state.prev_anchor, state.anchor, state.momentum, mean_params,
-                               outer_lr=self.params.outer_lr, outer_momentum=self.params.outer_momentum,
-                               penalty=penalty, clip_threshold=self.params.clip_threshold, out=out)
-        timings["update"] = time.perf_counter() - start
+        with clock.phase("statistics"):
+            num_groups = self.num_groups
+            # [||y_j - x_k||^2 of each group j (this rank adds its shard's part), ||x_{k+1} - x_k||^2,
+            #  non-finite count], summed over ranks.
+            statistics = torch.zeros(num_groups + 2, dtype=torch.float64, device=device)
+            statistics[self.group_index] = self.local_displacement_sq
+            statistics[num_groups] = sum(torch.linalg.vector_norm(s.anchor - s.prev_anchor).double().square()
+                                         for s in self.states)
+            statistics[num_groups + 1] = sum((~torch.isfinite(s.mean_displacement)).sum() for s in self.states)
+            self.communicator.all_reduce(statistics)
+            control, summary = outer_decision(statistics, num_groups=num_groups, gap_penalty=self.params.gap_penalty)
 
-        start = time.perf_counter()
-        for state in self.states:
-            self.communicator.all_gather(state.gather, state.shard_of(state.gather))
-        timings["all_gather"] = time.perf_counter() - start
-        return OuterResult(skipped=skipped, penalty=penalty, anchor_move=anchor_move,
-                           max_displacement=max_displacement, timings_s=timings)
+        with clock.phase("update"):
+            for state in self.states:
+                # ybar_k = x_k + (sum over ranks of the displacement shards) / groups, in fp32. A skipped
+                # round (non-finite replicas, decided on every rank alike) keeps x_{k+2} = x_{k+1}.
+                mean_params = state.mean_displacement.float().div_(num_groups).add_(state.prev_anchor)
+                ops.co2_outer_step(state.prev_anchor, state.anchor, state.momentum, mean_params,
+                                   outer_lr=self.params.outer_lr, outer_momentum=self.params.outer_momentum,
+                                   clip_threshold=self.params.clip_threshold, out=state.shard_of(state.gather),
+                                   control=control)
+
+        with clock.phase("all_gather"):
+            for state in self.states:
+                self.communicator.all_gather(state.gather, state.shard_of(state.gather))
+        return DeviceReadback(summary, _outer_result, clock)
+
+
+def _outer_result(summary: List[float], timings_s: Dict[str, float]) -> OuterResult:
+    skipped, penalty, anchor_move, max_displacement = summary
+    return OuterResult(skipped=bool(skipped), penalty=penalty, anchor_move=anchor_move,
+                       max_displacement=max_displacement, timings_s=timings_s)
 
 
 class CO2(Schedule):
