@@ -3,6 +3,9 @@ momentum, in one file. ``tests/test_new_type.py`` registers it with one line and
 import enum
 from dataclasses import dataclass
 
+import torch
+
+from deepspeed_acco.ops import CONTROL_SKIP, CONTROL_VALUE
 from deepspeed_acco.runtime.jobs import JobKind, UpdateRule
 from deepspeed_acco.runtime.optimizers.params import PipelineParams, config_error
 from deepspeed_acco.runtime.schedule import Schedule
@@ -34,10 +37,14 @@ class SGDRule(UpdateRule):
     def hyperparameters(self, param_group):
         return dict(lr=float(param_group["lr"]), momentum=float(param_group["momentum"]))
 
-    def commit(self, master, grad, state, *, step, out, lr, momentum):
+    def commit(self, master, grad, state, *, step, out, control, lr, momentum):
+        # The job decides on the device: control holds the gradient multiplier (averaging and
+        # clipping) and a skip flag, which is applied as a select, never read on the host.
+        skip = control[CONTROL_SKIP] != 0
         buffer = state["momentum_buffer"]
-        buffer.mul_(momentum).add_(grad)  # on the first step the buffer is zero: buffer = grad
-        master.add_(buffer, alpha=-lr)
+        new_buffer = buffer * momentum + grad * control[CONTROL_VALUE]  # first step: buffer = grad
+        buffer.copy_(torch.where(skip, buffer, new_buffer))
+        master.copy_(torch.where(skip, master, master - lr * buffer))
         out.copy_(master)
 
 
