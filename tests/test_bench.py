@@ -11,7 +11,7 @@ import time
 import pytest
 
 from deepspeed_acco.bench import netns, report
-from deepspeed_acco.bench.methods import METHODS, ds_config, engine_available, warmup_decay_lr
+from deepspeed_acco.bench.methods import METHODS, ds_config, warmup_decay_lr
 from deepspeed_acco.bench.train import eval_updates, parse_slow_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,7 +170,7 @@ def _run_bench(out, *extra, timeout=300):
 @pytest.mark.slow
 def test_bench_smoke_unshaped(tmp_path):
     """2 ranks, no shaping: the table, the CSVs, the PNGs, sane numbers."""
-    methods = ["zero1", "zero0"] + (["sharded", "dpu", "acco", "co2"] if engine_available() else [])
+    methods = ["zero1", "zero0", "sharded", "dpu", "acco", "co2"]
     # torchrun here (the faster launcher); the namespace test below uses the default deepspeed launcher.
     res = _run_bench(tmp_path, "--bandwidth", "none", "--methods", ",".join(methods), "--local-steps", "2",
                      "--launcher", "torchrun")

@@ -22,7 +22,7 @@ import time
 from typing import List, Optional
 
 from . import netns
-from .methods import DEFAULT_METHODS, METHODS, engine_available, resolve_methods
+from .methods import DEFAULT_METHODS, METHODS, resolve_methods
 from .models import DEFAULT_PRESET, PRESETS
 from .summary import finish, replot
 
@@ -48,8 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("what to compare")
     g.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated, from {', '.join(m for m in METHODS if m != 'compute')}; "
-                        "methods needing deepspeed_acco's engine are skipped (with a note) where it is missing")
+                   help=f"comma-separated, from {', '.join(m for m in METHODS if m != 'compute')}")
     g.add_argument("--no-compute-only", action="store_true", help="skip the compute-only baseline run")
     g.add_argument("--updates", type=int, default=DEFAULT_UPDATES, help="committed updates per method (equal samples)")
     g.add_argument("--world-size", type=int, default=2, help="ranks per job")
@@ -338,12 +337,6 @@ def main(argv=None) -> int:
     methods = resolve_methods(args.methods)
     if args.updates < 1 or args.world_size < 1 or args.repeat < 1:
         raise SystemExit("--updates, --world-size and --repeat must be >= 1")
-    if not engine_available():
-        ours = [m for m in methods if METHODS[m].ours]
-        if ours:
-            print(f"NOTE: this checkout has no deepspeed_acco engine (deepspeed_acco/runtime) yet; skipping "
-                  f"{', '.join(METHODS[m].label for m in ours)}.", flush=True)
-            methods = [m for m in methods if not METHODS[m].ours]
     if "acco" in methods and args.grad_accum % 2 and not (args.slow_rank and not args.no_dynamic_accumulation):
         raise SystemExit(f"ACCO splits each update's micro-batches in two halves: --grad-accum must be even "
                          f"(got {args.grad_accum}) unless it runs with dynamic accumulation (--slow-rank)")

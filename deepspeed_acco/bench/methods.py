@@ -35,16 +35,6 @@ BASELINE = "zero1"
 MIN_LR_FRACTION = 0.1  # warm up from, and decay to, lr / 10 (DeepSpeed's first two updates run at the minimum)
 
 
-def engine_available() -> bool:
-    """Whether this copy of deepspeed_acco has its engine (``deepspeed_acco/runtime/initialize.py``
-    inside the imported package; an editable install of another checkout does not count)."""
-    import os
-
-    import deepspeed_acco
-    pkg = os.path.dirname(os.path.abspath(deepspeed_acco.__file__))
-    return os.path.isfile(os.path.join(pkg, "runtime", "initialize.py"))
-
-
 def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int, lr: float, total_updates: int,
               warmup: int, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
               local_steps: int = 12, dynamic_accumulation: bool = False, bf16: bool = False,

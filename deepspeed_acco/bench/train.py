@@ -81,21 +81,6 @@ def eval_updates(updates: int, points: int):
     return sorted({round(i * updates / points) for i in range(points + 1)})
 
 
-def initialize_engine(model, config, method):
-    """``deepspeed_acco.initialize`` (the engine under test; it delegates DeepSpeed's own optimizer
-    types to ``deepspeed.initialize``). While this checkout has no engine yet, DeepSpeed's own types
-    go straight to ``deepspeed.initialize``; ours cannot run."""
-    from .methods import engine_available
-    if engine_available():
-        import deepspeed_acco
-        return deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config), True
-    if method.ours:
-        raise RuntimeError(f"{method.label} needs deepspeed_acco's engine (deepspeed_acco.runtime), "
-                           "which this checkout does not have")
-    import deepspeed
-    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config), False
-
-
 class _ComputeOnly:
     """The compute-only baseline behind the engine's training-loop interface: same model, batches
     and per-update work (forward/backward per micro-batch, clipping, AdamW step), no communication."""
@@ -200,7 +185,6 @@ def run(args) -> dict:
     model = build_model(args.model, args.ctx, args.seed)
     n_params = count_parameters(model)
 
-    used_acco_initialize = False
     if method.optimizer is None:
         if world > 1 and not dist.is_initialized():  # only for the start barrier, never during training
             dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -216,7 +200,8 @@ def run(args) -> dict:
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
                 json.dump(cfg, f, indent=1)
-        (engine, _, _, _), used_acco_initialize = initialize_engine(model, cfg, method)
+        import deepspeed_acco  # the engine under test; it delegates DeepSpeed's own optimizer types to deepspeed
+        engine, _, _, _ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     device = getattr(engine, "device", None) or next(engine.module.parameters()).device
     train_batch_size = args.micro_batch * args.grad_accum * world
     to_eval = set(eval_updates(args.updates, args.eval_points))
@@ -290,7 +275,7 @@ def run(args) -> dict:
                    peak_rss_mib=peak_rss_mib, peak_gpu_mib=peak_gpu_mib, cpu_s=cpu_s,
                    machine_busy_s=None if sys0 is None or sys1 is None else sys1[0] - sys0[0],
                    machine_steal_s=None if sys0 is None or sys1 is None else sys1[1] - sys0[1], n_params=n_params, slow_factor=slow_factor,
-                   engine=type(engine).__name__, via_deepspeed_acco_initialize=used_acco_initialize,
+                   engine=type(engine).__name__,
                    val_windows=int(len(windows)), val_tokens=int(windows.size),
                    val={str(k): v for k, v in val.items()}, corpus=corpus.describe(),
                    torch_threads=torch.get_num_threads())
