@@ -79,9 +79,14 @@ def test_method_modifiers_merge_into_the_config():
     plain, bf16comm = ds_config("acco", **common), ds_config("acco+bf16comm", **common)
     assert "communication_data_type" not in plain and bf16comm["communication_data_type"] == "bf16"
     assert {k: v for k, v in bf16comm.items() if k != "communication_data_type"} == plain
-    # Nested sections merge key by key: ZeRO-1 keeps its stage next to the quantisation switches.
-    q8 = ds_config("zero1+q8", **common)["zero_optimization"]
-    assert q8 == {"stage": 1, "zero_quantized_gradients": True, "zero_quantized_weights": True}
+    q8 = ds_config("acco+q8", **common)["zero_optimization"]
+    assert q8 == {"zero_quantized_gradients": True, "zero_quantized_weights": True}
+    assert ds_config("zero1+bf16comm", **common)["zero_optimization"] == {"stage": 1}
+    from deepspeed_acco.bench.methods import _merge  # nested sections merge key by key, inputs untouched
+    base = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
+    assert _merge(base, {"zero_optimization": {"zero_quantized_gradients": True}}) == {
+        "zero_optimization": {"stage": 1, "zero_quantized_gradients": True}, "bf16": {"enabled": True}}
+    assert base == {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
     assert resolve_methods("zero1, ACCO+BF16COMM,acco+bf16comm,co2") == ["zero1", "acco+bf16comm", "co2"]
     v = parse_variant("acco+bf16comm")
     assert v.label == "ACCO + bf16 comm" and v.method.name == "acco"
@@ -92,7 +97,7 @@ def test_method_modifiers_merge_into_the_config():
     assert parse_variant("zero1+fp32comm").comm_bytes("bf16") == (4, 2)
     assert report.comm_label("acco", "bf16") == "fp32/bf16" and report.comm_label("zero0", "bf16") == "bf16 all-reduce"
     for bad, words in (("acco+fast", "unknown modifier 'fast'"), ("adam", "unknown method 'adam'"),
-                       ("acco+bf16comm+bf16comm", "given twice")):
+                       ("acco+bf16comm+bf16comm", "given twice"), ("zero1+q8", "only with ZeRO stage 3")):
         with pytest.raises(ValueError, match=words):
             parse_variant(bad)
     with pytest.raises(SystemExit, match="--methods"):

@@ -53,6 +53,7 @@ class Modifier:
     gradient_bytes: Optional[float] = None
     parameter_bytes: Optional[float] = None
     help: str = ""
+    not_for_deepspeed: str = ""  # why DeepSpeed's own methods cannot take it (empty: they can)
 
 
 MODIFIERS: Dict[str, Modifier] = {m.name: m for m in (
@@ -64,7 +65,9 @@ MODIFIERS: Dict[str, Modifier] = {m.name: m for m in (
     Modifier("q8", "int8 comm", {"zero_optimization": {"zero_quantized_gradients": True,
                                                        "zero_quantized_weights": True}},
              gradient_bytes=1, parameter_bytes=1,
-             help="int8 gradient reduce-scatter and parameter-delta all-gather (zero_quantized_gradients/_weights)"),
+             help="int8 gradient reduce-scatter and parameter-delta all-gather (zero_quantized_gradients/_weights)",
+             not_for_deepspeed="DeepSpeed honours zero_quantized_gradients/_weights only with ZeRO stage 3, so its "
+                               "ZeRO-1/stage 0 would run uncompressed"),
 )}
 
 
@@ -122,6 +125,9 @@ def parse_variant(text: str) -> Variant:
                              f"{', '.join(MODIFIERS)} (e.g. acco+bf16comm)")
         if MODIFIERS[name] in modifiers:
             raise ValueError(f"--methods: modifier {name!r} given twice in {text!r}")
+        if MODIFIERS[name].not_for_deepspeed and base != "compute" and not METHODS[base].ours:
+            raise ValueError(f"--methods: {text!r}: {MODIFIERS[name].not_for_deepspeed}; use it with "
+                             f"deepspeed_acco's methods (sharded, dpu, acco, co2)")
         modifiers.append(MODIFIERS[name])
     if base == "compute" and modifiers:
         raise ValueError("--methods: the compute-only baseline has no communication to modify")
