@@ -113,7 +113,8 @@ def test_engine_refusal_of_a_modifier_is_reported_before_any_job(monkeypatch):
                                                                          {"communication_data_type": "fp16"}))
     methods.parse_variant.cache_clear()
     try:
-        args = build_parser().parse_args(["--methods", "zero1,zero1+fp16comm,acco,acco+fp16comm,co2", "--ranks-per-node", "2"])
+        args = build_parser().parse_args(["--methods", "zero1,zero1+fp16comm,acco,acco+fp16comm,co2",
+                                          "--ranks-per-node", "2"])
         names = resolve_methods(args.methods)
         check_args(args, names)
         refused = refused_by_engine(args, names)
@@ -234,7 +235,8 @@ def _fake_run(method, seed, val, wall_at_updates, reached=None, updates=4, targe
     summary = dict(rank=0, updates=updates, final_update=max(val), samples=updates * 16, wall_s=wall_at_updates,
                    target_loss=target, reached_update=None if reached is None else reached[0],
                    reached_wall_s=None if reached is None else reached[1], peak_rss_mib=100.0, init_s=1.0)
-    rows = [dict(update=u, samples=u * 16, wall_s=wall_at_updates * u / updates, loss=4.0) for u in range(1, max(val) + 1)]
+    rows = [dict(update=u, samples=u * 16, wall_s=wall_at_updates * u / updates, loss=4.0)
+            for u in range(1, max(val) + 1)]
     return report.RunResult(method=method, bandwidth="1 Gbit/s", bps=1e9, rows={0: rows}, summaries={0: summary},
                             val=dict(val), seed=seed)
 

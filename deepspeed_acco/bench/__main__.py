@@ -424,7 +424,8 @@ def main(argv=None) -> int:
     target_text = {None: "none (equal samples only)", "auto": f"auto (DeepSpeed ZeRO-1's validation loss after "
                    f"{args.updates} updates)"}.get(args.target_loss, f"{args.target_loss}")
     print(f"deepspeed-acco bench -> {out}\n"
-          f"  model: GPT-Neo '{args.model}', {n_params:,} parameters, ctx {args.ctx}, byte vocabulary, {args.precision}\n"
+          f"  model: GPT-Neo '{args.model}', {n_params:,} parameters, ctx {args.ctx}, byte vocabulary, "
+          f"{args.precision}\n"
           f"  data: {corpus.describe()}\n"
           f"  batch: {args.nodes} node(s) x {args.ranks_per_node} rank(s) x micro-batch {args.micro_batch} x "
           f"accumulation {args.grad_accum} = {tbs} samples/update; {args.updates} updates = {args.updates * tbs} "

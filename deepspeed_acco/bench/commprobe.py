@@ -6,11 +6,12 @@ values (the model), and a reduce-scatter followed by an all-gather: the communic
 ZeRO-1-style optimizer, once with torch's collectives and once as our engine's communicator runs
 it (``engine_round_s``) (ShardedAdamW, DPU, ACCO run one or two per update; DeepSpeed's ZeRO-1 on
 CPU runs an all-reduce plus an all-gather). With ``--param-dtype bf16`` (bf16 training) it also
-times torch's all-reduce and all-gather in bf16 (``*_model_dtype_s``: DeepSpeed's default under bf16)
-and our engine's round as bf16 training runs it (fp32 gradients reduce-scattered, bf16
+times torch's all-reduce and all-gather in bf16 (``*_model_dtype_s``: DeepSpeed's default under
+bf16) and our engine's round as bf16 training runs it (fp32 gradients reduce-scattered, bf16
 parameters gathered: ``engine_round_model_dtype_s``) and with ``communication_data_type`` bf16
-(``engine_round_bf16comm_s``). Rank 0 writes the best of ``--repeats`` timings, in seconds, as JSON. The bench runs it once per link so its report can say what one round really
-costs, next to the ideal ``bytes / link rate``.
+(``engine_round_bf16comm_s``). Rank 0 writes the best of ``--repeats`` timings, in seconds, as
+JSON. The bench runs it once per network so its report can say what one round really costs, next
+to the ideal ``bytes / link rate``.
 """
 import argparse
 import json

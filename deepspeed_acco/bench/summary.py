@@ -237,12 +237,12 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[d
              f"CO2 max(T_compute, T_comm / {args.local_steps}), others T_compute + T_comm."]
     if probe:
         t_real = probe["round_s"]
-        lines.append(f"Measured with {probe['backend']} over this network: one fp32 round (reduce-scatter + all-gather) "
-                     f"{1000 * t_real:.0f} ms = {t_real / t_fp32:.2f}x ideal; all-reduce "
-                     f"{1000 * probe['all_reduce_s']:.0f} ms, reduce-scatter {1000 * probe['reduce_scatter_s']:.0f} ms, "
-                     f"all-gather {1000 * probe['all_gather_s']:.0f} ms."
-                     + (" (gloo's reduce-scatter moves as many bytes as an all-reduce.)"
-                        if probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"] else ""))
+        gloo_note = probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"]
+        lines.append(f"Measured with {probe['backend']} over this network: one fp32 round (reduce-scatter + "
+                     f"all-gather) {1000 * t_real:.0f} ms = {t_real / t_fp32:.2f}x ideal; all-reduce "
+                     f"{1000 * probe['all_reduce_s']:.0f} ms, reduce-scatter {1000 * probe['reduce_scatter_s']:.0f} "
+                     f"ms, all-gather {1000 * probe['all_gather_s']:.0f} ms."
+                     + (" (gloo's reduce-scatter moves as many bytes as an all-reduce.)" if gloo_note else ""))
         if "engine_round_s" in probe:
             lines.append(f"Our engine's fp32 round on this network: {1000 * probe['engine_round_s']:.0f} ms = "
                          f"{probe['engine_round_s'] / t_fp32:.2f}x ideal (reduce-scatter "
