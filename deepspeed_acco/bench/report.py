@@ -267,6 +267,8 @@ def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[di
                                      if base is not None and not is_compute else None),
                    peak_rss_mib=r.peak_rss_mib, init_s=max(s["init_s"] for s in r.summaries.values()),
                    snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()),
+                   snapshot_at_updates_s=max(s.get("snapshot_at_updates_s", s.get("snapshot_s", 0.0)) or 0.0
+                                             for s in r.summaries.values()),
                    wall_incl_copies_s=max(s.get("wall_incl_copies_s", s["wall_s"]) for s in r.summaries.values()),
                    job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"),
                    other_load_cores=r.other_load, steal_cores=r.steal_cores, repeats=1 + len(r.reps),

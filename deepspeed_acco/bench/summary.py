@@ -206,6 +206,11 @@ def _noise_lines(rows) -> List[str]:
     text = ", ".join(f"{label} {load:.2f}" + (f" (+{steal:.2f} stolen)" if steal and steal > 0.01 else "")
                      for label, load, steal in loads if load is not None)
     lines = [f"Other processes during training (cores busy outside the ranks, average; worst run): {text}."]
+    copies = [(r["label"], r.get("snapshot_at_updates_s")) for r in rows if r["method"] != "compute"]
+    if any(c for _, c in copies):
+        lines.append("Clock paused for the parameter copies up to --updates (includes finishing the communication "
+                     "job in flight, which the next round might have hidden or waited for): "
+                     + ", ".join(f"{label} {c:.1f} s" for label, c in copies if c is not None) + ".")
     if any(r.get("repeats", 1) > 1 for r in rows):
         spread = ", ".join(f"{r['label']} {1000 * r['wall_min_s'] / r['updates']:.0f}-"
                            f"{1000 * r['wall_max_s'] / r['updates']:.0f}" for r in rows)

@@ -311,7 +311,7 @@ def run(args) -> dict:
     cpu0, sys0 = time.process_time(), _system_cpu()
     init_s = t0 - t_proc
     micro, losses, committed, slow_s = 0, [], 0, 0.0
-    wall_at_updates, cpu_at_updates, sys_at_updates = None, None, None
+    wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = None, None, None, None
     reached_update, reached_wall = None, None
     target = args.target_loss if validator is not None else None
     if target is not None and val[0] <= target:
@@ -352,6 +352,7 @@ def run(args) -> dict:
         losses = []
         if committed == args.updates:
             wall_at_updates, cpu_at_updates, sys_at_updates = wall, time.process_time() - cpu0, _system_cpu()
+            paused_at_updates = snapshot_s
         if validator is not None and is_eval_update(committed, args.eval_every, args.updates):
             validate(committed)
             if target is not None and reached_update is None and val[committed] <= target:
@@ -370,13 +371,13 @@ def run(args) -> dict:
     # The equal-samples numbers are those at --updates; CPU accounting too, so that the noise check
     # covers the same span as the wall-clock it qualifies.
     if wall_at_updates is None:
-        wall_at_updates, cpu_at_updates, sys_at_updates = final_wall, cpu_s, sys1
+        wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = final_wall, cpu_s, sys1, snapshot_s
     summary = dict(method=args.method, rank=rank, node=node, world_size=world, updates=at_updates,
                    final_update=committed, micro_batches=micro,
                    samples=engine_samples if args.dynamic_accumulation else at_updates * train_batch_size,
                    engine_samples=engine_samples, precision=args.precision,
                    train_batch_size=train_batch_size, wall_s=wall_at_updates, final_wall_s=final_wall,
-                   init_s=init_s, snapshot_s=snapshot_s, eval_s=eval_s,
+                   init_s=init_s, snapshot_s=snapshot_s, eval_s=eval_s, snapshot_at_updates_s=paused_at_updates,
                    wall_incl_copies_s=final_wall + snapshot_s,
                    target_loss=target, reached_update=reached_update, reached_wall_s=reached_wall,
                    max_updates=args.max_updates,
