@@ -508,30 +508,42 @@ def _style(method: str):
 
 def plot_val_vs_wall(path: str, results: Sequence[RunResult], title: str, target: Optional[float] = None) -> None:
     """Validation loss against training wall-clock, every evaluation; with ``target``, the target
-    loss as a horizontal line and a star where each method first reached it."""
+    loss as a horizontal line, a star where each method first reached it, and a second panel
+    zoomed on the losses near the target."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    panels = 2 if target is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=(7 + 4 * (panels - 1), 4.5), squeeze=False)
+    axes = axes[0]
+    lowest = []
     for r in results:
         if r.method == "compute" or not r.val:
             continue
         color, ls = _style(r.method)
         pts = sorted((r.wall_at(u), v) for u, v in r.val.items())
+        lowest.append(min(v for _, v in pts))
         ttt = r.reached_wall_s if target is not None else None
         note = f"target at {ttt:.1f} s" if ttt is not None else ("target not reached" if target is not None
                                                                  else f"{r.wall_s:.0f} s")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=color, ls=ls,
-                label=f"{r.label} ({note})")
-        if ttt is not None and r.reached_update in r.val:
-            ax.plot([ttt], [r.val[r.reached_update]], marker="*", ms=12, color=color, ls="none")
+        for i, ax in enumerate(axes):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=color, ls=ls,
+                    label=f"{r.label} ({note})" if i == 0 else None)
+            if ttt is not None and r.reached_update in r.val:
+                ax.plot([ttt], [r.val[r.reached_update]], marker="*", ms=12, color=color, ls="none")
     if target is not None:
-        ax.axhline(target, color="0.3", lw=1, ls="--", label=f"target {target:.4f}")
-    ax.set_xlabel("training wall-clock (s, evaluation excluded)")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        for i, ax in enumerate(axes):
+            ax.axhline(target, color="0.3", lw=1, ls="--", label=f"target {target:.4f}" if i == 0 else None)
+        if lowest:
+            low = min(min(lowest), target)
+            axes[1].set_ylim(low - 0.02 * abs(target), target + 0.08 * abs(target))
+            axes[1].set_title("near the target", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("training wall-clock (s, evaluation excluded)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (nats/byte)")
+    fig.suptitle(title, fontsize=9)
+    fig.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.92))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
