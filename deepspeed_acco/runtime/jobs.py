@@ -23,6 +23,7 @@ import torch
 
 from .. import ops
 from .comm import Communicator
+from .compression import GroupCompression
 from .flat import FlatParamGroup
 
 # torch.nn.utils.clip_grad_norm_ and DeepSpeed add this to the norm before dividing.
@@ -130,13 +131,16 @@ class ShardUpdateJob:
     """Per group, gradient sums of earlier micro-batches added before averaging (ACCO's commit)."""
     carried_micro_batches: int = 0
     """Global micro-batch count of ``carried``."""
+    compression: Optional[List[GroupCompression]] = None
+    """Per group, the compressed collectives that replace the reduce-scatter and/or the all-gather
+    (docs/design.md, 3.7); None: both uncompressed."""
 
     def __call__(self) -> JobResult:
         timings = {}
         cpu_start = time.thread_time()
         start = time.perf_counter()
-        for flat, state in zip(self.flats, self.states):
-            self.communicator.reduce_scatter(state.reduced, flat.job_grad)
+        for index, (flat, state) in enumerate(zip(self.flats, self.states)):
+            self._reduce_scatter(index, state.reduced, flat.job_grad)
         timings["reduce_scatter"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -163,8 +167,8 @@ class ShardUpdateJob:
 
         start = time.perf_counter()
         update = self.rule.commit if self.kind is JobKind.COMMIT else self.rule.estimate
-        for flat, state, hyper in zip(self.flats, self.states, self.hyperparameters):
-            out = flat.shard_of(flat.gather_target())
+        for index, (flat, state, hyper) in enumerate(zip(self.flats, self.states, self.hyperparameters)):
+            out = self._update_output(index, flat)
             if skipped:
                 # Every rank skips (the statistics were all-reduced); the gather restores the master
                 # weights, which matters for ACCO whose model may hold an estimate at this point.
@@ -178,11 +182,39 @@ class ShardUpdateJob:
         timings["update"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        for flat in self.flats:
-            target = flat.gather_target()
-            self.communicator.all_gather(target, flat.shard_of(target))
+        for index, flat in enumerate(self.flats):
+            self._all_gather(index, flat)
         timings["all_gather"] = time.perf_counter() - start
         # CPU time of this thread: on a CPU cluster it is taken from the model's compute.
         timings["worker_cpu"] = time.thread_time() - cpu_start
         return JobResult(kind=self.kind, skipped=skipped, local_micro_batches=self.local_micro_batches,
                          global_micro_batches=micro_batches, grad_norm=grad_norm, timings_s=timings)
+
+    # ---- the collectives, compressed or not --------------------------------------------------
+    def _compressed(self, index: int, collective: str):
+        compression = self.compression[index] if self.compression is not None else None
+        return compression if compression is not None and getattr(compression, collective) is not None else None
+
+    def _reduce_scatter(self, index: int, output: torch.Tensor, input: torch.Tensor) -> None:
+        compression = self._compressed(index, "gradients")
+        if compression is None:
+            self.communicator.reduce_scatter(output, input)
+        else:  # the residual follows the round's loss scale (fp16)
+            compression.reduce_scatter(output, input, loss_scale=self.loss_scale)
+
+    def _update_output(self, index: int, flat: FlatParamGroup) -> torch.Tensor:
+        """Where the rule writes this rank's new parameters: its shard of the gather target, or, when
+        weights are compressed, an fp32 buffer from which the delta against what the ranks hold is sent."""
+        compression = self._compressed(index, "weights")
+        return flat.shard_of(flat.gather_target()) if compression is None else compression.new_shard
+
+    def _all_gather(self, index: int, flat: FlatParamGroup) -> None:
+        target = flat.gather_target()
+        compression = self._compressed(index, "weights")
+        if compression is None:
+            self.communicator.all_gather(target, flat.shard_of(target))
+        else:
+            # The model's parameters are what every rank holds, and they stay unchanged while the job
+            # runs (installs happen after a wait); for ACCO's commit they are the estimate, so the
+            # delta is the small correction theta_{t+1} - theta~_{t+1}.
+            compression.all_gather(target, held=flat.model_flat)
