@@ -329,6 +329,18 @@ def group_compressions(config: CompressionConfig, communicator, numels: List[int
     return [GroupCompression(communicator, numel, device=device, config=config) for numel in numels]
 
 
+def compressing(compressions: Optional[List[GroupCompression]], index: int,
+                collective: str) -> Optional[GroupCompression]:
+    """Group ``index``'s compression if it compresses ``collective`` ("gradients" or "weights"), else None."""
+    compression = compressions[index] if compressions is not None else None
+    return compression if compression is not None and getattr(compression, collective) is not None else None
+
+
+def compresses(compressions: Optional[List[GroupCompression]], collective: str) -> bool:
+    """Whether any group compresses ``collective`` ("gradients" or "weights")."""
+    return any(compressing(compressions, index, collective) is not None for index in range(len(compressions or ())))
+
+
 def load_group_compressions(compressions: Optional[List[GroupCompression]], saved: Optional[List[Dict]]) -> bool:
     """Restore residuals from a checkpoint's per-rank entry; without one they start from zero.
     Returns False if a saved residual was dropped (this engine does not compress gradients)."""

@@ -12,6 +12,10 @@ micro-batch count.
 The update itself is an :class:`UpdateRule` (AdamW for our four types): ``commit`` changes the
 master weights and the rule's state, ``estimate`` (ACCO's Peek) only writes the parameters a
 commit would give.
+
+With compressed communication (docs/design.md, 3.7) the reduce-scatter is the quantised one with
+error feedback, and the rule writes the new shard into an fp32 buffer from which the all-gather
+sends the quantised delta against the model's parameters, which every rank holds identically.
 """
 import enum
 import math
@@ -23,7 +27,7 @@ import torch
 
 from .. import ops
 from .comm import Communicator
-from .compression import GroupCompression
+from .compression import GroupCompression, compressing
 from .flat import FlatParamGroup
 
 # torch.nn.utils.clip_grad_norm_ and DeepSpeed add this to the norm before dividing.
@@ -191,12 +195,8 @@ class ShardUpdateJob:
                          global_micro_batches=micro_batches, grad_norm=grad_norm, timings_s=timings)
 
     # ---- the collectives, compressed or not --------------------------------------------------
-    def _compressed(self, index: int, collective: str):
-        compression = self.compression[index] if self.compression is not None else None
-        return compression if compression is not None and getattr(compression, collective) is not None else None
-
     def _reduce_scatter(self, index: int, output: torch.Tensor, input: torch.Tensor) -> None:
-        compression = self._compressed(index, "gradients")
+        compression = compressing(self.compression, index, "gradients")
         if compression is None:
             self.communicator.reduce_scatter(output, input)
         else:  # the residual follows the round's loss scale (fp16)
@@ -205,12 +205,12 @@ class ShardUpdateJob:
     def _update_output(self, index: int, flat: FlatParamGroup) -> torch.Tensor:
         """Where the rule writes this rank's new parameters: its shard of the gather target, or, when
         weights are compressed, an fp32 buffer from which the delta against what the ranks hold is sent."""
-        compression = self._compressed(index, "weights")
+        compression = compressing(self.compression, index, "weights")
         return flat.shard_of(flat.gather_target()) if compression is None else compression.new_shard
 
     def _all_gather(self, index: int, flat: FlatParamGroup) -> None:
         target = flat.gather_target()
-        compression = self._compressed(index, "weights")
+        compression = compressing(self.compression, index, "weights")
         if compression is None:
             self.communicator.all_gather(target, flat.shard_of(target))
         else:

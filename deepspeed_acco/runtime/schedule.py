@@ -413,7 +413,8 @@ class Schedule:
                           self.flats[0].job_grad.dtype, self.flats[0].model_dtype)
 
     def _model_holds_committed(self) -> bool:
-        """Whether the model holds the committed parameters (those of the masters, cast)."""
+        """Whether the model holds the committed parameters (the masters' cast, or with compressed
+        weights the copy gathered from them)."""
         return self.running is None or self.running_kind is not JobKind.COMMIT
 
     def load_checkpoint_state(self, state: CheckpointState, gather_full: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> None:

@@ -30,7 +30,8 @@ import torch
 
 from ... import ops
 from ..comm import Communicator, CompletedWork
-from ..compression import GroupCompression, group_compressions, load_group_compressions, wire_bytes
+from ..compression import (GroupCompression, compresses, compressing, group_compressions, load_group_compressions,
+                           wire_bytes)
 from ..flat import FlatParamGroup
 from ..jobs import JobKind
 from ..optimizer import ShardedOptimizer
@@ -139,7 +140,7 @@ class CO2OuterJob:
         timings = {}
         start = time.perf_counter()
         for index, state in enumerate(self.states):
-            compression = self._compressed(index, "gradients")
+            compression = compressing(self.compression, index, "gradients")
             if compression is None:
                 self.communicator.reduce_scatter(state.mean_displacement, state.displacement)
             else:  # the residual carries what was not sent of this round's displacement into the next
@@ -169,7 +170,7 @@ class CO2OuterJob:
 
         start = time.perf_counter()
         for index, state in enumerate(self.states):
-            compression = self._compressed(index, "weights")
+            compression = compressing(self.compression, index, "weights")
             # With a compressed gather the new anchor shard goes to an fp32 buffer, and the delta from
             # x_{k+1} as every rank holds it (round_start) is sent.
             out = state.shard_of(state.gather) if compression is None else compression.new_shard
@@ -186,7 +187,7 @@ class CO2OuterJob:
 
         start = time.perf_counter()
         for index, state in enumerate(self.states):
-            compression = self._compressed(index, "weights")
+            compression = compressing(self.compression, index, "weights")
             if compression is None:
                 self.communicator.all_gather(state.gather, state.shard_of(state.gather))
             else:  # round_start stays unchanged until the boundary that waits for this job
@@ -194,10 +195,6 @@ class CO2OuterJob:
         timings["all_gather"] = time.perf_counter() - start
         return OuterResult(skipped=skipped, penalty=penalty, anchor_move=anchor_move,
                            max_displacement=max_displacement, timings_s=timings)
-
-    def _compressed(self, index: int, collective: str) -> Optional[GroupCompression]:
-        compression = self.compression[index] if self.compression is not None else None
-        return compression if compression is not None and getattr(compression, collective) is not None else None
 
 
 class CO2(Schedule):
@@ -329,10 +326,10 @@ class CO2(Schedule):
         # Compressed gathers leave copies within half a quantisation step of the fp32 values they
         # stand for: keep the exact copies (the outer ones identical on every rank, so sharded; the
         # replica identical within the group) instead of rebuilding them from the masters at load.
-        if _compresses(self.outer_compression, "weights"):
+        if compresses(self.outer_compression, "weights"):
             sharded["round_start"] = [s.shard_of(s.round_start).clone() for s in self.outers]
             sharded["gathered_anchor"] = [s.shard_of(s.gather).clone() for s in self.outers]
-        if _compresses(self.compression, "weights"):
+        if compresses(self.compression, "weights"):
             local["replica"] = [flat.shard_of(flat.model_flat).clone() for flat in self.flats]
         for key, compressions in (("compression", self.compression), ("outer_compression", self.outer_compression)):
             if compressions is not None:
@@ -391,7 +388,3 @@ class CO2(Schedule):
         for flat, shard in zip(self.flats, shards):
             flat.shard_of(flat.model_flat).copy_(shard)
             self.communicator.all_gather(flat.model_flat, flat.shard_of(flat.model_flat))
-
-
-def _compresses(compressions: Optional[List[GroupCompression]], collective: str) -> bool:
-    return compressions is not None and any(getattr(c, collective) is not None for c in compressions)

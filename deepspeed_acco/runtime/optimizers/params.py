@@ -119,7 +119,8 @@ class PipelineParams:
             raise config_error(f"{prefix}.quantization_bits", f"must be 8 or 4, got {self.quantization_bits}",
                                "use 8 (int8, 3.9x fewer bytes than fp32) or 4 (int4, 7.5x)")
         block_size = self.quantization_block_size
-        if not quantization.MIN_BLOCK_SIZE <= block_size <= quantization.MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        power_of_two = block_size & (block_size - 1) == 0
+        if not (quantization.MIN_BLOCK_SIZE <= block_size <= quantization.MAX_BLOCK_SIZE and power_of_two):
             raise config_error(f"{prefix}.quantization_block_size", f"must be a power of two in "
                                f"[{quantization.MIN_BLOCK_SIZE}, {quantization.MAX_BLOCK_SIZE}], got {block_size}",
                                f"use e.g. {quantization.DEFAULT_BLOCK_SIZE}")
