@@ -22,6 +22,7 @@ test_checkpoint.py must stay bitwise as before.
 import glob
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -65,11 +66,14 @@ def new_engine(config, seed=0, model=None):
     return engine, model
 
 
-def feed(engine, rank, start, stop):
-    dtype = next(engine.module.parameters()).dtype  # bf16 runs compute in bf16
+def feed(engine, rank, start, stop, compute_s=0.0):
+    """Micro-batches start..stop-1 of this rank; ``compute_s`` stretches each (TinyNet's take well
+    under a millisecond, less than any job, so dynamic accumulation would never end a round)."""
+    dtype = next(engine.module.parameters()).dtype  # bf16 / fp16 runs compute in that dtype
     for index in range(start, stop):
         x, y = batch(rank, index, MICRO_BATCH)
         engine.backward(loss_fn(engine(x.to(dtype)).float(), y))
+        time.sleep(compute_s)
         engine.step()
 
 
@@ -103,6 +107,7 @@ def _worker(rank, world_size, directory):
         results["wire"] = _wire(rank)
         results["convergence"] = _convergence(rank)
         results["loss_scale"] = _residual_follows_loss_scale(rank, world_size)
+        results["acco_deltas"] = _acco_delta_scales(rank)
     return results
 
 
@@ -112,6 +117,9 @@ def _replica_cases(world_size):
     cases += [("ACCO-q8-bf16", dict(make_config("ACCO", zero=Q8), bf16={"enabled": True})),
               ("ACCO-gradients-only", make_config("ACCO", zero={"zero_quantized_gradients": True})),
               ("ACCO-weights-only", make_config("ACCO", zero={"zero_quantized_weights": True})),
+              ("ACCO-q8-fp16", dict(make_config("ACCO", zero=Q8),  # the scale changes: residuals follow it
+                                    fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2})),
+              ("ACCO-q8-dynamic", make_config("ACCO", zero=Q8, dynamic_accumulation=True)),
               ("ACCO-fp32", make_config("ACCO"))]
     if world_size % 2 == 0:  # CO2 groups of two: the inner steps are compressed too
         cases.append(("CO2-g2-q8", make_config("CO2", zero=Q8, group_size=2)))
@@ -122,7 +130,8 @@ def _replicas(rank, world_size):
     results = {}
     for name, config in _replica_cases(world_size):
         engine, model = new_engine(config)
-        feed(engine, rank, 0, 24)
+        feed(engine, rank, 0, 24, compute_s=0.02 if "dynamic" in name else 0.0)
+        engine.synchronize()  # with dynamic accumulation the ranks may be one job apart until here
         results[name] = snapshot(engine, model)
         results[name]["wire_bytes"] = engine.wire_bytes_per_job()
         engine.destroy()
@@ -271,6 +280,23 @@ def _convergence(rank):
         results[(kind, name)] = {"initial": initial, "final": validation_loss(engine, model)}
         engine.destroy()
     return results
+
+
+def _acco_delta_scales(rank):
+    """The quantisation scales of the deltas ACCO's estimate and commit jobs sent (the packed chunk
+    starts with its blocks' fp32 scales), per update: the commit's delta is theta_{t+1} minus the
+    estimate every rank holds, the estimate's is a whole Peek step from theta_t."""
+    engine, model = new_engine(make_config("ACCO", zero=Q8, overlap=False, scheduler=False))
+    gather = engine.schedule.compression[0].weights  # the weight matrices' group
+    num_blocks = -(-gather.chunk_numel // gather.fmt.block_size)
+    scales = {"estimate": [], "commit": []}
+    for index in range(24):  # accumulation 2: every micro-batch is a half, A_0, B_0, A_1, ...
+        feed(engine, rank, index, index + 1)
+        # The boundary launched E (after A_t) or C (after B_t); with overlap off it has finished.
+        kind = "estimate" if index % 2 == 0 else "commit"
+        scales[kind].append(gather.last_sent[0, :4 * num_blocks].view(torch.float32).abs().max().item())
+    engine.destroy()
+    return scales
 
 
 def _residual_follows_loss_scale(rank, world_size):
@@ -445,3 +471,15 @@ def test_the_residual_follows_the_fp16_loss_scale(results):
         # Without the rescale, a residual left under one scale is added to input under another.
         assert any(not torch.equal(a, b) for a, b in zip(outputs["unscaled"], outputs["not-rescaled"]))
         assert all(math.isfinite(value.abs().max().item()) for value in outputs["scaled"])
+
+
+@pytest.mark.slow
+def test_the_acco_commit_sends_a_much_smaller_delta_than_the_estimate(results):
+    for run in results[2]:
+        scales = run["acco_deltas"]
+        # Skip the first updates (warm-up of the moments, the prologue's estimate from theta_0).
+        estimate, commit = sorted(scales["estimate"][2:]), sorted(scales["commit"][2:])
+        median_ratio = estimate[len(estimate) // 2] / commit[len(commit) // 2]
+        print(f"ACCO int8 delta scales (median, W = 2): estimate {estimate[len(estimate) // 2]:.3g}, "
+              f"commit {commit[len(commit) // 2]:.3g}: {median_ratio:.1f}x finer steps for the commit")
+        assert median_ratio > 2.0, scales
