@@ -82,6 +82,21 @@ def test_quantization_format_params_and_the_bench_fragment():
         compression_config(bits=2)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block_size", [32, 128, 512])
+def test_bytes_per_value_for_the_bench_bound(bits, block_size):
+    from deepspeed_acco.runtime.compression import QuantizationFormat, job_wire_bytes
+    fmt = QuantizationFormat(bits=bits, block_size=block_size)
+    numel = 1 << 20  # whole blocks, no padding: the long-chunk rate
+    assert fmt.packed_bytes(numel) == numel * fmt.bytes_per_value
+    # A flat vector of 4 * numel values on 4 ranks: each rank sends 3 chunks per collective.
+    per_job = job_wire_bytes(4 * numel, 4, fmt)
+    assert per_job == {"reduce_scatter": 3 * numel * fmt.bytes_per_value, "all_gather": 3 * numel * fmt.bytes_per_value}
+    assert job_wire_bytes(4 * numel, 4, None)["all_gather"] / per_job["all_gather"] == 4 / fmt.bytes_per_value
+    if block_size >= 128:  # docs/kernels.md's table: 3.88x and 7.53x at block 128
+        assert 4 / fmt.bytes_per_value >= (3.5 if bits == 8 else 7.5)
+
+
 def _with_params(zero, **params):
     config = with_keys(zero_optimization=zero)
     config["optimizer"]["params"].update(params)
