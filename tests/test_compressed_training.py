@@ -108,7 +108,25 @@ def _worker(rank, world_size, directory):
         results["convergence"] = _convergence(rank)
         results["loss_scale"] = _residual_follows_loss_scale(rank, world_size)
         results["acco_deltas"] = _acco_delta_scales(rank)
+        results["nan_skip"] = _nan_skip(rank)
     return results
+
+
+def _nan_skip(rank):
+    """Rank 1 feeds one NaN gradient in ACCO's update 4 (first half): every rank skips that update
+    and only that one, and the residuals stay finite (the NaN blocks kept their old residual)."""
+    engine, model = new_engine(make_config("ACCO", zero=Q8, scheduler=False))
+    for index in range(20):
+        x, y = batch(rank, index, MICRO_BATCH)
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss * float("nan") if (rank, index) == (1, 8) else loss)
+        engine.step()
+    result = snapshot(engine, model)
+    result["skipped_steps"] = engine.skipped_steps
+    result["residuals_finite"] = all(torch.isfinite(c.gradients.residual).all().item()
+                                     for c in engine.schedule.compression)
+    engine.destroy()
+    return result
 
 
 def _replica_cases(world_size):
@@ -483,3 +501,14 @@ def test_the_acco_commit_sends_a_much_smaller_delta_than_the_estimate(results):
         print(f"ACCO int8 delta scales (median, W = 2): estimate {estimate[len(estimate) // 2]:.3g}, "
               f"commit {commit[len(commit) // 2]:.3g}: {median_ratio:.1f}x finer steps for the commit")
         assert median_ratio > 2.0, scales
+
+
+@pytest.mark.slow
+def test_a_non_finite_gradient_skips_one_update_on_every_rank(results):
+    runs = [run["nan_skip"] for run in results[2]]
+    for run in runs:
+        assert run["skipped_steps"] == 1, run["skipped_steps"]
+        assert run["residuals_finite"]
+        assert torch.isfinite(run["committed"]).all() and run["global_steps"] == 9
+        for key in ("holds", "committed"):
+            assert torch.equal(run[key], runs[0][key])
