@@ -39,6 +39,10 @@ Bytes each rank sends per call: (W - 1) * packed_bytes(S) for either collective,
 (W - 1) * S * 4 for fp32 (:func:`job_wire_bytes`): 3.88x fewer with int8, 7.53x with int4 at
 block 128. Both collectives are device-agnostic (gloo on CPU, NCCL on CUDA, kernels on the
 current stream) and make no host synchronisation.
+
+The update jobs hold one :class:`GroupCompression` per flat group (docs/design.md, 3.7): it
+adapts the residual to the round's loss scale and owns the fp32 buffer the update rule writes the
+new shard into; checkpoints store its :meth:`~GroupCompression.state_dict`.
 """
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -359,16 +363,11 @@ def wire_bytes(compressions: Optional[List[GroupCompression]], shard_numels: Lis
     its all-gather over every group (transport headers and the small statistics all-reduce left out)."""
     total = {"reduce_scatter": 0, "all_gather": 0}
     for index, shard_numel in enumerate(shard_numels):
-        compression = compressions[index] if compressions is not None else None
-        plain = {"reduce_scatter": gradient_dtype, "all_gather": parameter_dtype}
-        compressed = {"reduce_scatter": compression.gradients if compression is not None else None,
-                      "all_gather": compression.weights if compression is not None else None}
-        for name, collective in compressed.items():
-            if collective is not None:
-                total[name] += collective.wire_bytes
-            else:
-                element_size = torch.empty((), dtype=plain[name]).element_size()
-                total[name] += (world_size - 1) * shard_numel * element_size
+        for name, collective, dtype in (("reduce_scatter", "gradients", gradient_dtype),
+                                        ("all_gather", "weights", parameter_dtype)):
+            compression = compressing(compressions, index, collective)
+            total[name] += (getattr(compression, collective).wire_bytes if compression is not None
+                            else (world_size - 1) * shard_numel * dtype.itemsize)
     return total
 
 
