@@ -13,10 +13,11 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from .runtime.compression import CompressionConfig, QuantizationFormat
 from .runtime.optimizers import lookup, type_names
 from .runtime.optimizers.params import boolean, config_error, integer, number, parse_params
 
@@ -122,6 +123,8 @@ class EngineConfig:
     """Model/compute dtype: "fp32", "bf16" or "fp16" (master weights and optimizer state are always fp32)."""
     communication_dtype: str = "fp32"
     """dtype of the gradient reduce-scatter ("fp32" or "bf16"); the all-gather uses the model dtype."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Quantised reduce-scatter / all-gather (``zero_quantized_gradients`` / ``zero_quantized_weights``)."""
     gradient_clipping: float = 0.0
     steps_per_print: Optional[int] = 10
     """None: never print (Accelerate sets it to infinity)."""
@@ -290,9 +293,10 @@ def check_top_level_keys(config: Dict[str, Any]) -> None:
             logger.warning("deepspeed_acco config: unknown top-level key %r is ignored%s", key, hint)
 
 
-def _parse_zero(zero: Any, kind: str) -> None:
+def _parse_zero(zero: Any, kind: str) -> Tuple[bool, bool]:
+    """Check the section; return (zero_quantized_gradients, zero_quantized_weights)."""
     if zero is None:
-        return
+        return False, False
     if not isinstance(zero, dict):
         raise config_error("zero_optimization", f"expected an object, got {zero!r}", "use {\"stage\": 1} or omit it")
     stage = zero.get("stage", 0)
@@ -308,11 +312,10 @@ def _parse_zero(zero: Any, kind: str) -> None:
         if zero.get(flag):
             raise config_error(f"zero_optimization.{flag}", f"offloading is not supported with optimizer type {kind}",
                                "remove it")
-    for flag in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
-        if zero.get(flag):
-            raise config_error(f"zero_optimization.{flag}",
-                               f"quantised communication is not available with optimizer type {kind} yet",
-                               "remove it (or set it to false)")
+    if zero.get("zero_quantized_nontrainable_weights"):
+        raise config_error("zero_optimization.zero_quantized_nontrainable_weights",
+                           f"optimizer type {kind} never communicates frozen parameters (every rank holds them "
+                           "whole), so there is nothing to quantise", "remove it (or set it to false)")
     if zero.get("zero_hpz_partition_size", 1) != 1:
         raise config_error("zero_optimization.zero_hpz_partition_size", "hierarchical partitioning is not supported",
                            "set it to 1 (CO2's group_size averages gradients inside a group of ranks instead)")
@@ -321,6 +324,32 @@ def _parse_zero(zero: Any, kind: str) -> None:
         closest = _closest(key, _ZERO_ACCEPTED)
         hint = f"; did you mean {closest!r}?" if closest else ""
         logger.warning("deepspeed_acco config: unknown key zero_optimization.%s is ignored%s", key, hint)
+    return tuple(boolean(f"zero_optimization.{flag}", zero.get(flag, False))
+                 for flag in ("zero_quantized_gradients", "zero_quantized_weights"))
+
+
+_FORMAT_PARAMS = ("quantization_bits", "quantization_block_size")
+
+
+def _parse_compression(zero: Any, params: Any, raw_params: Dict[str, Any], communication_dtype: str,
+                       kind: str) -> CompressionConfig:
+    """ZeRO++'s switches with our format params (docs/design.md, 3.7)."""
+    gradients, weights = _parse_zero(zero, kind)
+    if not (gradients or weights):
+        for key in _FORMAT_PARAMS:
+            if key in raw_params:
+                raise config_error(f"optimizer.params.{key}", "sets the format of compressed communication, which is "
+                                   "off", "set zero_optimization.zero_quantized_gradients and/or "
+                                   "zero_quantized_weights to true, or remove it")
+        return CompressionConfig()
+    if gradients and communication_dtype != "fp32":
+        raise config_error("communication_data_type", f"{communication_dtype!r} with zero_optimization."
+                           "zero_quantized_gradients: the compressed reduce-scatter quantises fp32 gradient sums and "
+                           "adds what it receives in fp32", "set it to \"fp32\" or remove it (compression already "
+                           "moves int8 or int4 codes)")
+    return CompressionConfig(gradients=gradients, weights=weights,
+                             format=QuantizationFormat(bits=params.quantization_bits,
+                                                       block_size=params.quantization_block_size))
 
 
 def _parse_steps_per_print(value: Any) -> Optional[int]:
@@ -393,7 +422,6 @@ def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
         raise config_error(f"optimizer.{unknown_section_keys[0]}", "unknown key", "keep only \"type\" and \"params\"")
     check_top_level_keys(config)
     params = parse_params(schedule_class.Params, section.get("params", {}) or {}, kind)
-    _parse_zero(config.get("zero_optimization"), kind)
     batch = resolve_batch_sizes(config, world_size)
     schedule_class.validate_config(params, batch, world_size)
 
@@ -413,6 +441,8 @@ def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
         if communication_dtype not in ("fp32", "bf16"):
             raise config_error("communication_data_type", f"{communication!r} is not supported by our optimizers",
                                "use \"fp32\" or \"bf16\"")
+    compression = _parse_compression(config.get("zero_optimization"), params, section.get("params", {}) or {},
+                                     communication_dtype, kind)
     data_types = config.get("data_types") or {}
     accumulation_dtype = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
     if accumulation_dtype is not None and _DTYPE_NAMES.get(str(accumulation_dtype).lower()) != "fp32":
@@ -423,7 +453,8 @@ def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
     if clipping < 0:
         raise config_error("gradient_clipping", f"must be >= 0, got {clipping}", "use 0 to disable clipping")
     return EngineConfig(optimizer_type=kind, params=params, batch=batch, world_size=world_size, precision=precision,
-                        communication_dtype=communication_dtype, gradient_clipping=clipping,
+                        communication_dtype=communication_dtype, compression=compression,
+                        gradient_clipping=clipping,
                         steps_per_print=_parse_steps_per_print(config.get("steps_per_print", 10)),
                         wall_clock_breakdown=boolean("wall_clock_breakdown", config.get("wall_clock_breakdown", False)),
                         fp16_loss_scale=fp16_loss_scale,

@@ -46,21 +46,96 @@ def assert_rejected(config, key):
     assert not dist.is_initialized(), "validation must happen before torch.distributed is initialised"
 
 
-# ---- NOT IMPLEMENTED YET: compressed communication (DESIGN 7, "Compressed communication") -----
-# DeepSpeed's ZeRO++ keys. Until the engine implements int8 quantised reduce-scatter / all-gather,
-# turning them on must fail loudly instead of silently communicating full precision. When it is
-# implemented, replace these cases with tests of the quantised communication.
-QUANTIZED_COMMUNICATION = [
-    ("zero_quantized_gradients", {"stage": 1, "zero_quantized_gradients": True}),
-    ("zero_quantized_weights", {"stage": 1, "zero_quantized_weights": True}),
-]
+# ---- compressed communication (DESIGN 7, "Compressed communication"; docs/design.md 3.7) ------
+# DeepSpeed's ZeRO++ switches, with our format under optimizer.params. How the engine then trains
+# is tested in tests/test_compressed_training.py; here: what each config turns on, and the errors.
+ZERO_PLUS_PLUS = {"zero_quantized_gradients": True, "zero_quantized_weights": True}
 
 
 @pytest.mark.parametrize("optimizer_type", ["ShardedAdamW", "DPU", "ACCO", "CO2"])
-@pytest.mark.parametrize("key, zero", QUANTIZED_COMMUNICATION, ids=[case[0] for case in QUANTIZED_COMMUNICATION])
-def test_quantized_communication_is_rejected_until_implemented(optimizer_type, key, zero):
-    assert_rejected(with_keys(optimizer_type, zero_optimization=zero), f"zero_optimization.{key}")
-# ---- end of NOT IMPLEMENTED YET ------------------------------------------------------------
+def test_zero_quantized_keys_turn_on_int8_compression_for_every_type(optimizer_type):
+    off = parse_config(with_keys(optimizer_type), world_size=2).compression
+    assert not off.enabled and not off.gradients and not off.weights
+    both = parse_config(with_keys(optimizer_type, zero_optimization=dict(ZERO_PLUS_PLUS, stage=1)), world_size=2)
+    assert (both.compression.gradients, both.compression.weights) == (True, True)
+    assert (both.compression.format.bits, both.compression.format.block_size) == (8, 128)  # true means int8
+    assert both.communication_dtype == "fp32"
+    for key in ZERO_PLUS_PLUS:
+        alone = parse_config(with_keys(optimizer_type, zero_optimization={key: True}), world_size=2).compression
+        assert (alone.gradients, alone.weights) == (key == "zero_quantized_gradients", key == "zero_quantized_weights")
+
+
+def test_quantization_format_params_and_the_bench_fragment():
+    config = with_keys(zero_optimization=ZERO_PLUS_PLUS)
+    config["optimizer"]["params"].update(quantization_bits=4, quantization_block_size=32)
+    compression = parse_config(config, world_size=2).compression
+    assert (compression.format.bits, compression.format.block_size) == (4, 32)
+    # The fragment tools merge into a config (the bench's +q4) means the same thing.
+    from deepspeed_acco.runtime.compression import compression_config
+    fragment = compression_config(bits=4, block_size=256)
+    merged = with_keys("DPU", zero_optimization=dict(fragment["zero_optimization"], stage=1))
+    merged["optimizer"]["params"].update(fragment["optimizer"]["params"])
+    compression = parse_config(merged, world_size=3).compression
+    assert (compression.gradients, compression.weights, compression.format.bits, compression.format.block_size) == \
+        (True, True, 4, 256)
+    with pytest.raises(ValueError, match="bits"):
+        compression_config(bits=2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block_size", [32, 128, 512])
+def test_bytes_per_value_for_the_bench_bound(bits, block_size):
+    from deepspeed_acco.runtime.compression import QuantizationFormat, job_wire_bytes
+    fmt = QuantizationFormat(bits=bits, block_size=block_size)
+    numel = 1 << 20  # whole blocks, no padding: the long-chunk rate
+    assert fmt.packed_bytes(numel) == numel * fmt.bytes_per_value
+    # A flat vector of 4 * numel values on 4 ranks: each rank sends 3 chunks per collective.
+    per_job = job_wire_bytes(4 * numel, 4, fmt)
+    assert per_job == {"reduce_scatter": 3 * numel * fmt.bytes_per_value, "all_gather": 3 * numel * fmt.bytes_per_value}
+    assert job_wire_bytes(4 * numel, 4, None)["all_gather"] / per_job["all_gather"] == 4 / fmt.bytes_per_value
+    if block_size >= 128:  # docs/kernels.md's table: 3.88x and 7.53x at block 128
+        assert 4 / fmt.bytes_per_value >= (3.5 if bits == 8 else 7.5)
+
+
+def _with_params(zero, **params):
+    config = with_keys(zero_optimization=zero)
+    config["optimizer"]["params"].update(params)
+    return config
+
+
+COMPRESSION_MISTAKES = [
+    ("optimizer.params.quantization_bits", _with_params(ZERO_PLUS_PLUS, quantization_bits=2)),
+    ("optimizer.params.quantization_bits", _with_params(ZERO_PLUS_PLUS, quantization_bits=8.0)),
+    ("optimizer.params.quantization_block_size", _with_params(ZERO_PLUS_PLUS, quantization_block_size=100)),
+    ("optimizer.params.quantization_block_size", _with_params(ZERO_PLUS_PLUS, quantization_block_size=16)),
+    ("optimizer.params.quantization_block_size", _with_params(ZERO_PLUS_PLUS, quantization_block_size=1024)),
+    # A format for communication that is not compressed: the user expects int4 and would get fp32.
+    ("optimizer.params.quantization_bits", _with_params({"zero_quantized_gradients": False}, quantization_bits=4)),
+    ("optimizer.params.quantization_block_size", _with_params({}, quantization_block_size=64)),
+    # The compressed reduce-scatter quantises fp32 sums; a bf16 reduce-scatter cannot be quantised too.
+    ("communication_data_type", dict(with_keys(zero_optimization={"zero_quantized_gradients": True}),
+                                     communication_data_type="bf16")),
+    ("zero_optimization.zero_quantized_gradients", with_keys(zero_optimization={"zero_quantized_gradients": "yes"})),
+    ("zero_optimization.zero_quantized_weights", with_keys(zero_optimization={"zero_quantized_weights": 1})),
+    # Still unsupported: frozen parameters are never communicated; hierarchical partitioning.
+    ("zero_optimization.zero_quantized_nontrainable_weights",
+     with_keys(zero_optimization=dict(ZERO_PLUS_PLUS, zero_quantized_nontrainable_weights=True))),
+    ("zero_optimization.zero_hpz_partition_size", with_keys(zero_optimization=dict(ZERO_PLUS_PLUS,
+                                                                                   zero_hpz_partition_size=2))),
+]
+
+
+@pytest.mark.parametrize("key, config", COMPRESSION_MISTAKES, ids=[f"{i}-{case[0]}" for i, case in
+                                                                   enumerate(COMPRESSION_MISTAKES)])
+def test_compression_mistakes_are_rejected_naming_the_key(key, config):
+    assert_rejected(config, key)
+
+
+def test_bf16_communication_stays_allowed_with_compressed_weights_only():
+    config = dict(with_keys(zero_optimization={"zero_quantized_weights": True}), communication_data_type="bf16")
+    parsed = parse_config(config, world_size=2)
+    assert parsed.communication_dtype == "bf16" and parsed.compression.weights and not parsed.compression.gradients
+# ---- end of compressed communication -------------------------------------------------------
 
 
 # Top-level keys DeepSpeed 0.19 itself rejects as removed features (its

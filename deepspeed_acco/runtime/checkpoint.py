@@ -627,6 +627,12 @@ def _load_same_type(engine, files, saved_world_size) -> None:
     if not schedule.rule_state_is_sharded():  # CO2: the DeepSpeed partitions are the anchors
         fp32 = _load_vectors(engine, files, saved_world_size, lambda f, i: f["single_partition_of_fp32_groups"][i])
     local = _to_device(ours["local"], engine.device) if saved_world_size == engine.world_size else {}
+    if saved_world_size != engine.world_size and "compression" in ours["local"] and engine.global_rank == 0:
+        # A residual is what one rank has not yet sent to each other rank's shard; with other shards
+        # and peers it has no owner. Dropping it loses at most half a quantisation step per value once.
+        logger.warning("load_checkpoint: re-sharding from %d to %d ranks drops the error-feedback residuals of "
+                       "compressed gradients (per rank and per shard layout); they restart from zero",
+                       saved_world_size, engine.world_size)
     state = CheckpointState(fp32_partitions=fp32, rule_state=None, sharded=sharded, local=local, meta=ours["meta"])
     # The model already holds the module file's committed weights; the schedule installs what it
     # held instead where that differs ("held", CO2's replica).

@@ -363,6 +363,18 @@ class Communicator:
             return
         self._run("all_gather", lambda: _all_gather_flat(output, input, group=self.group))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
+                   input_split_sizes: List[int], collective: str = "all_to_all") -> None:
+        """Send ``input``'s i-th slice (``input_split_sizes[i]`` elements) to rank i and receive rank
+        i's slice for this rank into ``output``'s i-th slice; ``collective`` names it in profiles and
+        hang reports (the quantised reduce-scatter passes its own name)."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return
+        self._run(collective, lambda: dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                                             input_split_sizes=input_split_sizes, group=self.group))
+
     def exchange(self, sends: List[tuple], receives: List[tuple]) -> None:
         """Point-to-point: post every ``(peer rank, tensor)`` send and receive, then wait for all.
 

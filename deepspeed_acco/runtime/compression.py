@@ -39,12 +39,15 @@ Bytes each rank sends per call: (W - 1) * packed_bytes(S) for either collective,
 (W - 1) * S * 4 for fp32 (:func:`job_wire_bytes`): 3.88x fewer with int8, 7.53x with int4 at
 block 128. Both collectives are device-agnostic (gloo on CPU, NCCL on CUDA, kernels on the
 current stream) and make no host synchronisation.
+
+The update jobs hold one :class:`GroupCompression` per flat group (docs/design.md, 3.7): it
+adapts the residual to the round's loss scale and owns the fp32 buffer the update rule writes the
+new shard into; checkpoints store its :meth:`~GroupCompression.state_dict`.
 """
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import ops
 from ..ops import quantization
@@ -69,6 +72,12 @@ class QuantizationFormat:
     def kernel_args(self) -> Dict[str, int]:
         return {"bits": self.bits, "block_size": self.block_size}
 
+    @property
+    def bytes_per_value(self) -> float:
+        """Bytes per value on the wire for long chunks: codes plus the scale's share (1.03125 for
+        int8 at block 128, 0.53125 for int4); a chunk adds at most 15 bytes of padding."""
+        return self.bits / 8 + 4 / self.block_size
+
 
 def job_wire_bytes(numel: int, world_size: int, fmt: Optional[QuantizationFormat]) -> Dict[str, int]:
     """Bytes one rank sends per reduce-scatter and per all-gather of a flat vector of ``numel``
@@ -78,17 +87,6 @@ def job_wire_bytes(numel: int, world_size: int, fmt: Optional[QuantizationFormat
     chunk_numel = numel // world_size
     per_chunk = 4 * chunk_numel if fmt is None else fmt.packed_bytes(chunk_numel)
     return {"reduce_scatter": (world_size - 1) * per_chunk, "all_gather": (world_size - 1) * per_chunk}
-
-
-def _run_collective(communicator, name: str, fn: Callable[[], Any]) -> None:
-    """Runs ``fn`` as a collective of ``communicator``: labelled for the profiler and tracked for
-    hang reports when the communicator supports it (:class:`~.comm.Communicator` does)."""
-    run = getattr(communicator, "_run", None)
-    if run is None:
-        with torch.profiler.record_function(f"acco::{name}"):
-            fn()
-    else:
-        run(name, fn)
 
 
 def _check_flat(name: str, tensor, numel: int, dtypes, device: torch.device) -> None:
@@ -163,11 +161,8 @@ class QuantizedReduceScatter:
             # the send buffer in rank order (the all-to-all's order).
             for rows, values, residual in self._peer_ranges(input):
                 ops.quantize(values, self._send[rows], residual=residual, **kernel_args)
-        _run_collective(
-            self.communicator, "quantized_reduce_scatter",
-            lambda: dist.all_to_all_single(self._receive.view(-1), self._send.view(-1),
-                                           output_split_sizes=self._split_bytes, input_split_sizes=self._split_bytes,
-                                           group=self.communicator.group))
+        self.communicator.all_to_all(self._receive.view(-1), self._send.view(-1), output_split_sizes=self._split_bytes,
+                                     input_split_sizes=self._split_bytes, collective="quantized_reduce_scatter")
         with torch.profiler.record_function("acco::dequantize_sum"):
             ops.dequantize_sum(self._receive, output, base=own, **kernel_args)
 
@@ -255,3 +250,131 @@ class DeltaAllGather:
         self.communicator.all_gather(self._gathered.view(-1), self._send.view(-1))
         with torch.profiler.record_function("acco::apply_delta"):
             ops.apply_delta(self._gathered, held, out=output, **kernel_args)
+
+
+# ---- how the update jobs use the collectives (docs/design.md, 3.7) ------------------------------
+@dataclass(frozen=True)
+class CompressionConfig:
+    """What an engine's jobs compress: ``zero_optimization.zero_quantized_gradients`` /
+    ``zero_quantized_weights`` (DeepSpeed's ZeRO++ key names) with the format from
+    ``optimizer.params.quantization_bits`` / ``quantization_block_size``."""
+
+    gradients: bool = False
+    """Gradient (CO2: displacement) reduce-scatters are quantised, with error feedback."""
+    weights: bool = False
+    """Parameter all-gathers send quantised deltas against what every rank holds."""
+    format: QuantizationFormat = QuantizationFormat()
+
+    @property
+    def enabled(self) -> bool:
+        return self.gradients or self.weights
+
+
+class GroupCompression:
+    """One flat group's compressed collectives in the jobs of one communicator, and their buffers.
+
+    ``gradients`` (a :class:`QuantizedReduceScatter`, or None) replaces the job's reduce-scatter;
+    its residual is kept in the units of the job's input, which for gradients carry the round's
+    loss scale: when the scale changes (fp16), the residual is rescaled by the ratio (a power of two,
+    so exactly). ``weights`` (a :class:`DeltaAllGather`, or None) replaces the all-gather: the
+    update rule writes this rank's new fp32 shard into ``new_shard`` and the owner sends
+    ``new_shard - held``, where ``held`` is what every rank holds at that moment and keeps holding
+    until the job ends.
+    """
+
+    def __init__(self, communicator, numel: int, *, device, config: CompressionConfig):
+        self.gradients = (QuantizedReduceScatter(communicator, numel, fmt=config.format, device=device)
+                          if config.gradients else None)
+        self.weights = DeltaAllGather(communicator, numel, fmt=config.format, device=device) if config.weights else None
+        self.new_shard = (torch.zeros(numel // communicator.world_size, dtype=torch.float32, device=device)
+                          if config.weights else None)
+        self.residual_loss_scale = 1.0
+        """The loss scale of the input the residual was left by."""
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, loss_scale: float = 1.0) -> None:
+        if loss_scale != self.residual_loss_scale:
+            self.gradients.residual.mul_(loss_scale / self.residual_loss_scale)
+            self.residual_loss_scale = loss_scale
+        self.gradients.reduce_scatter(output, input)
+
+    def all_gather(self, output: torch.Tensor, held: torch.Tensor) -> None:
+        """``output`` <- ``held`` plus every rank's quantised ``new_shard - held`` (bitwise equal on all ranks)."""
+        self.weights.all_gather(output, self.new_shard, held)
+
+    def reset(self) -> None:
+        """Forget the residual (the schedule restarts from committed state that did not leave it)."""
+        if self.gradients is not None:
+            self.gradients.residual.zero_()
+        self.residual_loss_scale = 1.0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"gradients": self.gradients.state_dict() if self.gradients is not None else None,
+                "residual_loss_scale": self.residual_loss_scale}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> bool:
+        """Restore the residual where both the saved state and this group compress gradients (else it
+        starts from zero); returns False if the saved state held a residual that had nowhere to go."""
+        self.reset()
+        saved = state.get("gradients")
+        if saved is None or self.gradients is None:
+            return saved is None
+        self.gradients.load_state_dict(saved)
+        self.residual_loss_scale = float(state["residual_loss_scale"])
+        return True
+
+
+def group_compressions(config: CompressionConfig, communicator, numels: List[int],
+                       device) -> Optional[List[GroupCompression]]:
+    """Per flat group (``numels``: padded lengths), its :class:`GroupCompression` on ``communicator``;
+    None when nothing is compressed, or when the communicator has one member (nothing goes on a wire,
+    e.g. CO2's inner steps with ``group_size`` 1)."""
+    if not config.enabled or communicator.world_size == 1:
+        return None
+    return [GroupCompression(communicator, numel, device=device, config=config) for numel in numels]
+
+
+def compressing(compressions: Optional[List[GroupCompression]], index: int,
+                collective: str) -> Optional[GroupCompression]:
+    """Group ``index``'s compression if it compresses ``collective`` ("gradients" or "weights"), else None."""
+    compression = compressions[index] if compressions is not None else None
+    return compression if compression is not None and getattr(compression, collective) is not None else None
+
+
+def compresses(compressions: Optional[List[GroupCompression]], collective: str) -> bool:
+    """Whether any group compresses ``collective`` ("gradients" or "weights")."""
+    return any(compressing(compressions, index, collective) is not None for index in range(len(compressions or ())))
+
+
+def load_group_compressions(compressions: Optional[List[GroupCompression]], saved: Optional[List[Dict]]) -> bool:
+    """Restore residuals from a checkpoint's per-rank entry; without one they start from zero.
+    Returns False if a saved residual was dropped (this engine does not compress gradients)."""
+    if compressions is None:
+        return saved is None or all(entry.get("gradients") is None for entry in saved)
+    if saved is None:
+        for compression in compressions:
+            compression.reset()
+        return True
+    return all([compression.load_state_dict(entry) for compression, entry in zip(compressions, saved)])
+
+
+def wire_bytes(compressions: Optional[List[GroupCompression]], shard_numels: List[int], world_size: int,
+               gradient_dtype: torch.dtype, parameter_dtype: torch.dtype) -> Dict[str, int]:
+    """Bytes this rank sends per job on a communicator of ``world_size`` ranks: its reduce-scatter and
+    its all-gather over every group (transport headers and the small statistics all-reduce left out)."""
+    total = {"reduce_scatter": 0, "all_gather": 0}
+    for index, shard_numel in enumerate(shard_numels):
+        for name, collective, dtype in (("reduce_scatter", "gradients", gradient_dtype),
+                                        ("all_gather", "weights", parameter_dtype)):
+            compression = compressing(compressions, index, collective)
+            total[name] += (getattr(compression, collective).wire_bytes if compression is not None
+                            else (world_size - 1) * shard_numel * dtype.itemsize)
+    return total
+
+
+# ---- for tools that build configs (the bench's +q8 / +q4 methods) ------------------------------
+def compression_config(bits: int = 8, block_size: int = quantization.DEFAULT_BLOCK_SIZE) -> Dict[str, Any]:
+    """The DeepSpeed config fragment that turns on compressed gradients and weights with this format;
+    merge it into a config section by section (``optimizer.params`` keeps its other keys)."""
+    QuantizationFormat(bits=bits, block_size=block_size)  # validates
+    return {"zero_optimization": {"zero_quantized_gradients": True, "zero_quantized_weights": True},
+            "optimizer": {"params": {"quantization_bits": bits, "quantization_block_size": block_size}}}

@@ -59,6 +59,15 @@ def _track(engine: "AccoEngine") -> None:
         _EXIT_HOOK_REGISTERED = True
 
 
+def _compression_note(config: EngineConfig) -> str:
+    compression = config.compression
+    if not compression.enabled:
+        return ""
+    parts = [name for name, on in (("gradients", compression.gradients), ("weights", compression.weights)) if on]
+    return (f" compressed={'+'.join(parts)} (int{compression.format.bits}, "
+            f"block {compression.format.block_size})")
+
+
 def _log_rank0(message: str, level: int = logging.INFO) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.log(level, message)
@@ -114,7 +123,7 @@ class AccoEngine(DeepSpeedEngine):
         _log_rank0(f"engine ready: type={config.optimizer_type} ranks={self.world_size} "
                    f"train_batch_size={batch.train_batch_size} micro_batch={batch.micro_batch_size} "
                    f"accumulation={batch.gradient_accumulation_steps} precision={config.precision} "
-                   f"overlap={self.schedule.overlap} update_backend={ops.backend()}")
+                   f"overlap={self.schedule.overlap} update_backend={ops.backend()}{_compression_note(config)}")
 
     def __del__(self):
         # DeepSpeedEngine.__del__ calls destroy(); ours finishes jobs and releases process groups,
@@ -143,6 +152,11 @@ class AccoEngine(DeepSpeedEngine):
     def communication_wait_s(self) -> float:
         """Cumulative seconds the training thread spent blocked waiting for communication jobs."""
         return self.schedule.total_wait_s
+
+    def wire_bytes_per_job(self) -> Dict[str, int]:
+        """Bytes this rank sends per update job (CO2: per outer averaging job), by collective:
+        ``{"reduce_scatter": ..., "all_gather": ...}``, with or without compression (docs/design.md, 3.7)."""
+        return self.schedule.wire_bytes_per_job()
 
     @property
     def phase(self):

@@ -15,6 +15,10 @@ the host as a :class:`~deepspeed_acco.runtime.comm.DeviceReadback`, read at the 
 The update itself is an :class:`UpdateRule` (AdamW for our four types): ``commit`` changes the
 master weights and the rule's state, ``estimate`` (ACCO's Peek) only writes the parameters a
 commit would give.
+
+With compressed communication (docs/design.md, 3.7) the reduce-scatter is the quantised one with
+error feedback, and the rule writes the new shard into an fp32 buffer from which the all-gather
+sends the quantised delta against the model's parameters, which every rank holds identically.
 """
 import enum
 import math
@@ -26,6 +30,7 @@ import torch
 
 from .. import ops
 from .comm import Communicator, DeviceReadback, PhaseClock
+from .compression import GroupCompression, compressing
 from .flat import FlatParamGroup
 
 # torch.nn.utils.clip_grad_norm_ and DeepSpeed add this to the norm before dividing.
@@ -180,14 +185,17 @@ class ShardUpdateJob:
     """Per group, gradient sums of earlier micro-batches added before averaging (ACCO's commit)."""
     carried_micro_batches: int = 0
     """Global micro-batch count of ``carried``."""
+    compression: Optional[List[GroupCompression]] = None
+    """Per group, the compressed collectives that replace the reduce-scatter and/or the all-gather
+    (docs/design.md, 3.7); None: both uncompressed."""
 
     def __call__(self) -> DeviceReadback:
         device = self.states[0].master.device
         clock = PhaseClock(device)
         cpu_start = time.thread_time()
         with clock.phase("reduce_scatter"):
-            for flat, state in zip(self.flats, self.states):
-                self.communicator.reduce_scatter(state.reduced, flat.job_grad)
+            for index, (flat, state) in enumerate(zip(self.flats, self.states)):
+                self._reduce_scatter(index, state.reduced, flat.job_grad)
 
         with clock.phase("norm"):
             squares = []
@@ -209,14 +217,13 @@ class ShardUpdateJob:
             # A skipped update (decided on every rank alike, from all-reduced statistics) gathers the
             # master weights, which matters for ACCO, whose model may hold an estimate at this point.
             update = self.rule.commit if self.kind is JobKind.COMMIT else self.rule.estimate
-            for flat, state, hyper in zip(self.flats, self.states, self.hyperparameters):
-                update(state.master, state.grad, state.state, step=self.step, out=flat.shard_of(flat.gather_target()),
+            for index, (flat, state, hyper) in enumerate(zip(self.flats, self.states, self.hyperparameters)):
+                update(state.master, state.grad, state.state, step=self.step, out=self._update_output(index, flat),
                        control=control, **hyper)
 
         with clock.phase("all_gather"):
-            for flat in self.flats:
-                target = flat.gather_target()
-                self.communicator.all_gather(target, flat.shard_of(target))
+            for index, flat in enumerate(self.flats):
+                self._all_gather(index, flat)
         if not clock.cuda:
             # CPU time of this thread: on a CPU cluster it is taken from the model's compute.
             clock.record("worker_cpu", time.thread_time() - cpu_start)
@@ -226,3 +233,28 @@ class ShardUpdateJob:
         skipped, grad_norm, micro_batches = summary
         return JobResult(kind=self.kind, skipped=bool(skipped), local_micro_batches=self.local_micro_batches,
                          global_micro_batches=int(round(micro_batches)), grad_norm=grad_norm, timings_s=timings_s)
+
+    # ---- the collectives, compressed or not --------------------------------------------------
+    def _reduce_scatter(self, index: int, output: torch.Tensor, input: torch.Tensor) -> None:
+        compression = compressing(self.compression, index, "gradients")
+        if compression is None:
+            self.communicator.reduce_scatter(output, input)
+        else:  # the residual follows the round's loss scale (fp16)
+            compression.reduce_scatter(output, input, loss_scale=self.loss_scale)
+
+    def _update_output(self, index: int, flat: FlatParamGroup) -> torch.Tensor:
+        """Where the rule writes this rank's new parameters: its shard of the gather target, or, when
+        weights are compressed, an fp32 buffer from which the delta against what the ranks hold is sent."""
+        compression = compressing(self.compression, index, "weights")
+        return flat.shard_of(flat.gather_target()) if compression is None else compression.new_shard
+
+    def _all_gather(self, index: int, flat: FlatParamGroup) -> None:
+        target = flat.gather_target()
+        compression = compressing(self.compression, index, "weights")
+        if compression is None:
+            self.communicator.all_gather(target, flat.shard_of(target))
+        else:
+            # The model's parameters are what every rank holds, and they stay unchanged while the job
+            # runs (installs happen after a wait); for ACCO's commit they are the estimate, so the
+            # delta is the small correction theta_{t+1} - theta~_{t+1}.
+            compression.all_gather(target, held=flat.model_flat)

@@ -25,6 +25,7 @@ from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Type
 import torch
 
 from .comm import Communicator, CompletedWork, ControlPlane, Lane, Work
+from .compression import GroupCompression, group_compressions, load_group_compressions, wire_bytes
 from .flat import FlatParamGroup
 from .jobs import ADAMW, JobKind, JobResult, ShardState, ShardUpdateJob, UpdateRule
 from .loss_scale import LossScale
@@ -185,6 +186,9 @@ class Schedule:
         self._boundary_wait_s = 0.0
         self.on_commit: Optional[Callable[[JobResult], None]] = None
         """Called after each commit's accounting (the engine's logging and monitors)."""
+        self.compression: Optional[List[GroupCompression]] = group_compressions(
+            config.compression, communicator, [flat.padded_numel for flat in self.flats], context.device)
+        """Per group, the compressed collectives of this schedule's jobs (None: uncompressed)."""
 
     # ---- called by the engine --------------------------------------------------------------
     def backward_loss_scale(self) -> float:
@@ -299,6 +303,8 @@ class Schedule:
         self.running_kind = None
         for flat in self.flats:
             flat.grad_accum.zero_()
+        for compression in self.compression or ():
+            compression.reset()
 
     # ---- building blocks for the types -----------------------------------------------------
     def _wait(self, work: Work):
@@ -340,7 +346,7 @@ class Schedule:
                               rule=self.rule, step=self.progress.applied_steps + 1,
                               hyperparameters=[self.rule.hyperparameters(flat.param_group) for flat in self.flats],
                               local_micro_batches=self.round_micro_batches, loss_scale=scale,
-                              gradient_clipping=self.gradient_clipping, **options)
+                              gradient_clipping=self.gradient_clipping, compression=self.compression, **options)
 
     def _launch(self, kind: JobKind, *, wait: bool = False, **options) -> Work:
         job = self._shard_update_job(kind, **options)
@@ -399,6 +405,8 @@ class Schedule:
         local = {}
         if self.round_micro_batches:
             local["grad_accum"] = [flat.unpadded(flat.grad_accum).clone() for flat in self.flats]
+        if self.compression is not None:
+            local["compression"] = [compression.state_dict() for compression in self.compression]
         sharded = {}
         if self.running is not None:
             result = self.running.wait()
@@ -411,8 +419,15 @@ class Schedule:
                                rule_state=[shard.state for shard in self.shards], sharded=sharded, local=local,
                                meta=meta)
 
+    def wire_bytes_per_job(self) -> Dict[str, int]:
+        """Bytes this rank sends per update job: {"reduce_scatter": ..., "all_gather": ...} over every
+        group, compressed or not (transport headers and the statistics all-reduce left out)."""
+        return wire_bytes(self.compression, [flat.shard_numel for flat in self.flats], self.communicator.world_size,
+                          self.flats[0].job_grad.dtype, self.flats[0].model_dtype)
+
     def _model_holds_committed(self) -> bool:
-        """Whether the model holds the committed parameters (those of the masters, cast)."""
+        """Whether the model holds the committed parameters (the masters' cast, or with compressed
+        weights the copy gathered from them)."""
         return self.running is None or self.running_kind is not JobKind.COMMIT
 
     def load_checkpoint_state(self, state: CheckpointState, gather_full: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> None:
@@ -434,8 +449,12 @@ class Schedule:
             kind = JobKind(pending["kind"])
             if kind is JobKind.ESTIMATE:
                 outputs = gather_full(state.sharded["estimate"])
-            else:  # a commit's output is the master weights it left behind, cast
-                outputs = gather_full([shard.master for shard in self.shards])
+            else:
+                # A commit's output is the committed parameters as the model will hold them, which is
+                # what the module file holds and the model holds now. (Uncompressed that is the cast of
+                # the masters; with compressed weights it is within half a quantisation step of them,
+                # and only the copy the ranks gathered continues exactly.)
+                outputs = [flat.model_flat for flat in self.flats]
             for flat, values in zip(self.flats, outputs):
                 flat.gather.copy_(values)
             self.running = CompletedWork(f"{kind.value} restored from a checkpoint", job_result_from_dict(pending["result"]))
@@ -443,6 +462,9 @@ class Schedule:
         if "held" in state.sharded:
             for flat, values in zip(self.flats, gather_full(state.sharded["held"])):
                 flat.install(values)
+        if not load_group_compressions(self.compression, state.local.get("compression")) and self.rank == 0:
+            logger.warning("load_checkpoint: the checkpoint holds error-feedback residuals of compressed gradients, "
+                           "which this engine does not compress; they are dropped")
         self._load_type_state(state)
 
     def _load_type_state(self, state: CheckpointState) -> None:

@@ -28,6 +28,8 @@ import torch
 
 from ... import ops
 from ..comm import Communicator, CompletedWork, DeviceReadback, PhaseClock
+from ..compression import (GroupCompression, compresses, compressing, group_compressions, load_group_compressions,
+                           wire_bytes)
 from ..flat import FlatParamGroup
 from ..jobs import JobKind, correctly_rounded_sqrt
 from ..optimizer import ShardedOptimizer
@@ -151,13 +153,19 @@ class CO2OuterJob:
     local_displacement_sq: torch.Tensor
     """||y_k - x_k||^2 over this rank's inner shards (a 0-dim float64 tensor, computed on the training
     stream; the job's Work owns it until the job is known complete)."""
+    compression: Optional[List[GroupCompression]] = None
+    """Per group, the compressed displacement reduce-scatter and/or anchor all-gather (None: fp32)."""
 
     def __call__(self) -> DeviceReadback:
         device = self.states[0].anchor.device
         clock = PhaseClock(device)
         with clock.phase("reduce_scatter"):
-            for state in self.states:
-                self.communicator.reduce_scatter(state.mean_displacement, state.displacement)
+            for index, state in enumerate(self.states):
+                compression = compressing(self.compression, index, "gradients")
+                if compression is None:
+                    self.communicator.reduce_scatter(state.mean_displacement, state.displacement)
+                else:  # the residual carries what was not sent of this round's displacement into the next
+                    compression.reduce_scatter(state.mean_displacement, state.displacement)
 
         with clock.phase("statistics"):
             num_groups = self.num_groups
@@ -172,18 +180,25 @@ class CO2OuterJob:
             control, summary = outer_decision(statistics, num_groups=num_groups, gap_penalty=self.params.gap_penalty)
 
         with clock.phase("update"):
-            for state in self.states:
+            for index, state in enumerate(self.states):
+                compression = compressing(self.compression, index, "weights")
+                # With a compressed gather the new anchor shard goes to an fp32 buffer, and the delta from
+                # x_{k+1} as every rank holds it (round_start) is sent.
+                out = state.shard_of(state.gather) if compression is None else compression.new_shard
                 # ybar_k = x_k + (sum over ranks of the displacement shards) / groups, in fp32. A skipped
                 # round (non-finite replicas, decided on every rank alike) keeps x_{k+2} = x_{k+1}.
                 mean_params = state.mean_displacement.float().div_(num_groups).add_(state.prev_anchor)
                 ops.co2_outer_step(state.prev_anchor, state.anchor, state.momentum, mean_params,
                                    outer_lr=self.params.outer_lr, outer_momentum=self.params.outer_momentum,
-                                   clip_threshold=self.params.clip_threshold, out=state.shard_of(state.gather),
-                                   control=control)
+                                   clip_threshold=self.params.clip_threshold, out=out, control=control)
 
         with clock.phase("all_gather"):
-            for state in self.states:
-                self.communicator.all_gather(state.gather, state.shard_of(state.gather))
+            for index, state in enumerate(self.states):
+                compression = compressing(self.compression, index, "weights")
+                if compression is None:
+                    self.communicator.all_gather(state.gather, state.shard_of(state.gather))
+                else:  # round_start stays unchanged until the boundary that waits for this job
+                    compression.all_gather(state.gather, held=state.round_start)
         return DeviceReadback(summary, _outer_result, clock)
 
 
@@ -237,6 +252,10 @@ class CO2(Schedule):
         self.outer_rounds = 0
         """Outer boundaries passed (k after boundary k - 1)."""
         self.outer_skips = 0
+        # The inner steps' compression (self.compression) is on the group's communicator: none with
+        # group_size 1. The outer job's is on all ranks.
+        self.outer_compression: Optional[List[GroupCompression]] = group_compressions(
+            context.config.compression, outer_communicator, [flat.padded_numel for flat in self.flats], context.device)
 
     def boundary(self) -> None:
         work = self._launch(JobKind.COMMIT, wait=True)  # one inner step of this replica
@@ -264,7 +283,8 @@ class CO2(Schedule):
                 flat.install(state.round_start)
                 shard.master.copy_(state.round_start[own])
         job = CO2OuterJob(states=self.outers, communicator=self.outer_communicator, num_groups=self.num_groups,
-                          group_index=self.group_index, params=self.params, local_displacement_sq=displacement_sq)
+                          group_index=self.group_index, params=self.params, local_displacement_sq=displacement_sq,
+                          compression=self.outer_compression)
         self._submit(job, self.outer_communicator, f"CO2 outer averaging of round {self.outer_rounds}", wait=False)
         self.outer_rounds += 1
 
@@ -283,8 +303,16 @@ class CO2(Schedule):
                        for flat in self.flats]
         for flat, shard in zip(self.flats, self.shards):
             shard.master.copy_(flat.shard_of(flat.model_flat))
+        for compression in self.outer_compression or ():
+            compression.reset()
         self.inner_steps_in_round = 0
         self.outer_rounds = 0
+
+    def wire_bytes_per_job(self) -> Dict[str, int]:
+        """Bytes this rank sends per outer averaging job J_k (an inner step, with group_size > 1, sends
+        what ShardedAdamW's job does on a group of group_size ranks)."""
+        return wire_bytes(self.outer_compression, [state.shard_numel for state in self.outers],
+                          self.outer_communicator.world_size, self.outers[0].displacement.dtype, torch.float32)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def communicator_for_checkpoints(self) -> Communicator:
@@ -306,6 +334,17 @@ class CO2(Schedule):
             local["grad_accum"] = [flat.unpadded(flat.grad_accum).clone() for flat in self.flats]
         sharded = {"prev_anchor": [s.prev_anchor.clone() for s in self.outers],
                    "momentum": [s.momentum.clone() for s in self.outers]}
+        # Compressed gathers leave copies within half a quantisation step of the fp32 values they
+        # stand for: keep the exact copies (the outer ones identical on every rank, so sharded; the
+        # replica identical within the group) instead of rebuilding them from the masters at load.
+        if compresses(self.outer_compression, "weights"):
+            sharded["round_start"] = [s.shard_of(s.round_start).clone() for s in self.outers]
+            sharded["gathered_anchor"] = [s.shard_of(s.gather).clone() for s in self.outers]
+        if compresses(self.compression, "weights"):
+            local["replica"] = [flat.shard_of(flat.model_flat).clone() for flat in self.flats]
+        for key, compressions in (("compression", self.compression), ("outer_compression", self.outer_compression)):
+            if compressions is not None:
+                local[key] = [compression.state_dict() for compression in compressions]
         return CheckpointState(fp32_partitions=[s.anchor for s in self.outers], rule_state=None, sharded=sharded,
                                local=local, meta=meta)
 
@@ -338,14 +377,25 @@ class CO2(Schedule):
             starts = gather_full([outer.prev_anchor for outer in self.outers], torch.float32)
             self.running = CompletedWork("CO2 outer averaging restored from a checkpoint",
                                          OuterResult(**pending["result"]))
+        if "round_start" in state.sharded:  # saved with compressed anchor gathers: the copies as gathered
+            starts = gather_full(state.sharded["round_start"], torch.float32)
+            anchors = gather_full(state.sharded["gathered_anchor"], torch.float32)
         for outer, start, anchor in zip(self.outers, starts, anchors):
             outer.round_start.copy_(start)
             outer.gather.copy_(anchor)
-        # The replica is the cast of the inner masters (its group's shards, all-gathered in the group).
-        work = self.lane.submit(self._gather_replica, self.communicator, label="CO2 replica from a checkpoint")
+        dropped = not all([load_group_compressions(self.compression, state.local.get("compression")),
+                           load_group_compressions(self.outer_compression, state.local.get("outer_compression"))])
+        if dropped and self.rank == 0:
+            logger.warning("load_checkpoint: the checkpoint holds error-feedback residuals of compressed "
+                           "communication, which this engine does not compress; they are dropped")
+        # The replica is the cast of the inner masters (its group's shards, all-gathered in the group),
+        # or, saved with compressed inner gathers, the shards the model held.
+        shards = state.local.get("replica") or [shard.master for shard in self.shards]
+        work = self.lane.submit(lambda: self._gather_replica(shards), self.communicator,
+                                label="CO2 replica from a checkpoint")
         work.wait()
 
-    def _gather_replica(self) -> None:
-        for flat, shard in zip(self.flats, self.shards):
-            flat.shard_of(flat.model_flat).copy_(shard.master)
+    def _gather_replica(self, shards: List[torch.Tensor]) -> None:
+        for flat, shard in zip(self.flats, shards):
+            flat.shard_of(flat.model_flat).copy_(shard)
             self.communicator.all_gather(flat.model_flat, flat.shard_of(flat.model_flat))

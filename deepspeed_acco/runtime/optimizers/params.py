@@ -12,6 +12,8 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Dict, Tuple
 
+from ...ops import quantization
+
 DEFAULT_COMMUNICATION_TIMEOUT_S = 300.0
 
 
@@ -102,12 +104,26 @@ class PipelineParams:
     synchronously with identical math (for debugging and tests)."""
     communication_timeout_s: float = DEFAULT_COMMUNICATION_TIMEOUT_S
     """How long a collective may take before the job fails with a message naming it (dead peers)."""
+    quantization_bits: int = quantization.BITS[0]
+    """Bits per value of compressed communication (``zero_optimization.zero_quantized_gradients`` /
+    ``zero_quantized_weights``): 8 (int8 codes) or 4 (int4 codes)."""
+    quantization_block_size: int = quantization.DEFAULT_BLOCK_SIZE
+    """Values that share one fp32 scale in compressed communication: a power of two in [32, 512]."""
 
     def validate(self, prefix: str) -> None:
         """Range checks (the types were checked by :func:`parse_params`)."""
         if self.communication_timeout_s <= 0:
             raise config_error(f"{prefix}.communication_timeout_s", f"must be > 0, got {self.communication_timeout_s}",
                                f"use e.g. {DEFAULT_COMMUNICATION_TIMEOUT_S}")
+        if self.quantization_bits not in quantization.BITS:
+            raise config_error(f"{prefix}.quantization_bits", f"must be 8 or 4, got {self.quantization_bits}",
+                               "use 8 (int8, 3.9x fewer bytes than fp32) or 4 (int4, 7.5x)")
+        block_size = self.quantization_block_size
+        power_of_two = block_size & (block_size - 1) == 0
+        if not (quantization.MIN_BLOCK_SIZE <= block_size <= quantization.MAX_BLOCK_SIZE and power_of_two):
+            raise config_error(f"{prefix}.quantization_block_size", f"must be a power of two in "
+                               f"[{quantization.MIN_BLOCK_SIZE}, {quantization.MAX_BLOCK_SIZE}], got {block_size}",
+                               f"use e.g. {quantization.DEFAULT_BLOCK_SIZE}")
 
 
 @dataclass(kw_only=True)
