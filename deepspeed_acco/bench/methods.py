@@ -56,18 +56,27 @@ class Modifier:
     not_for_deepspeed: str = ""  # why DeepSpeed's own methods cannot take it (empty: they can)
 
 
+_ZERO_PLUS_PLUS_ONLY_STAGE_3 = ("DeepSpeed honours zero_quantized_gradients/_weights only with ZeRO stage 3, so its "
+                                "ZeRO-1/stage 0 would run uncompressed")
 MODIFIERS: Dict[str, Modifier] = {m.name: m for m in (
     Modifier("bf16comm", "bf16 comm", {"communication_data_type": "bf16"}, gradient_bytes=2,
              help="reduce(-scatter) the gradients in bf16 (communication_data_type)"),
     Modifier("fp32comm", "fp32 comm", {"communication_data_type": "fp32"}, gradient_bytes=4,
              help="reduce(-scatter) the gradients in fp32 (DeepSpeed's default under bf16 is bf16)"),
-    # ZeRO++'s key names (DESIGN 7): int8 block-quantised gradients and parameter deltas.
+    # ZeRO++'s key names: block-quantised gradients and parameter deltas (docs/kernels.md). Bytes per
+    # value: the codes plus one fp32 scale per block of 128 (runtime.compression.QuantizationFormat,
+    # not imported here to keep the bench's command line free of torch).
     Modifier("q8", "int8 comm", {"zero_optimization": {"zero_quantized_gradients": True,
                                                        "zero_quantized_weights": True}},
-             gradient_bytes=1, parameter_bytes=1,
+             gradient_bytes=1 + 4 / 128, parameter_bytes=1 + 4 / 128,
              help="int8 gradient reduce-scatter and parameter-delta all-gather (zero_quantized_gradients/_weights)",
-             not_for_deepspeed="DeepSpeed honours zero_quantized_gradients/_weights only with ZeRO stage 3, so its "
-                               "ZeRO-1/stage 0 would run uncompressed"),
+             not_for_deepspeed=_ZERO_PLUS_PLUS_ONLY_STAGE_3),
+    Modifier("q4", "int4 comm", {"zero_optimization": {"zero_quantized_gradients": True,
+                                                       "zero_quantized_weights": True},
+                                 "optimizer": {"params": {"quantization_bits": 4}}},
+             gradient_bytes=0.5 + 4 / 128, parameter_bytes=0.5 + 4 / 128,
+             help="int4 gradient reduce-scatter and parameter-delta all-gather (quantization_bits 4)",
+             not_for_deepspeed=_ZERO_PLUS_PLUS_ONLY_STAGE_3),
 )}
 
 
