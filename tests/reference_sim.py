@@ -193,13 +193,15 @@ def simulate_sharded(world_size, accumulation, num_updates, **options):
     return run_sharded(Simulator(world_size, **options), accumulation, num_updates)
 
 
-def simulate_dpu(world_size, accumulation, num_rounds, **options):
+def simulate_dpu(world_size, accumulation, num_rounds, warmup=0, **options):
     """DESIGN 3.2: g_0 = g(theta_0; B_0), g_t = g(theta_{t-1}; B_t); theta_{t+1} = AdamW(theta_t, g_t).
 
     Returns the parameters the model holds after ``num_rounds`` rounds (theta_{rounds-1}).
+    ``warmup``: that many synchronous updates first; the DPU rounds then start from their result.
     """
     sim = Simulator(world_size, **options)
-    model_holds = sim.get()  # theta_0
+    run_sharded(sim, accumulation, warmup)
+    model_holds = sim.get()  # theta_0 (after the warm-up: theta_warmup)
     for _ in range(num_rounds):
         total, count = sim.gradient_sum(model_holds, accumulation)
         model_holds = sim.get()  # the boundary installs theta_t (committed so far) ...
@@ -207,7 +209,7 @@ def simulate_dpu(world_size, accumulation, num_rounds, **options):
     return model_holds, sim
 
 
-def simulate_acco(world_size, accumulation, num_updates=None, counts=None, **options):
+def simulate_acco(world_size, accumulation, num_updates=None, counts=None, warmup=0, **options):
     """DESIGN 3.3, with the parameters the model holds after the step() ending round B_{num_updates-1}.
 
     The model then holds theta~_{num_updates}; the committed theta_{num_updates} is also returned.
@@ -218,7 +220,8 @@ def simulate_acco(world_size, accumulation, num_updates=None, counts=None, **opt
     if counts is None:
         counts = [(accumulation // 2, accumulation // 2)] * num_updates
     sim = Simulator(world_size, **options)
-    estimate = sim.get()  # theta~_0 = theta_0
+    run_sharded(sim, accumulation, warmup)  # ``warmup`` synchronous updates first
+    estimate = sim.get()  # theta~_0 = theta_0 (after the warm-up: theta_warmup)
     for first_half, second_half in counts:
         first_sum, first_count = sim.gradient_sum(estimate, first_half)  # A_t at theta~_t
         second_sum, second_count = sim.gradient_sum(sim.get(), second_half)  # B_t at theta_t

@@ -498,7 +498,7 @@ class AccoEngine(DeepSpeedEngine):
         """(index of the round in progress within its update, whether it is the update's last round)."""
         schedule = self.schedule
         index = schedule.round_index_in_update()
-        return index, index == schedule.rounds_per_update - 1
+        return index, index == schedule.current_rounds_per_update - 1
 
     def _check_room_for_micro_batch(self) -> None:
         schedule = self.schedule

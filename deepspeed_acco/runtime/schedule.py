@@ -171,7 +171,8 @@ class Schedule:
         self.gradient_clipping = config.gradient_clipping
         self.micro_batch_size = config.batch.micro_batch_size
         self.train_batch_size = config.batch.train_batch_size
-        self.nominal_round_micro_batches = max(1, config.batch.gradient_accumulation_steps // self.rounds_per_update)
+        self.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
+        self.warmup_sync_updates = int(getattr(self.params, "warmup_sync_updates", 0))
         self.phase = next(iter(self.Phase))
         self.round_micro_batches = 0
         self.round_loss_scale: Optional[float] = None
@@ -189,6 +190,28 @@ class Schedule:
         self.compression: Optional[List[GroupCompression]] = group_compressions(
             config.compression, communicator, [flat.padded_numel for flat in self.flats], context.device)
         """Per group, the compressed collectives of this schedule's jobs (None: uncompressed)."""
+
+    # ---- synchronous warm-up ------------------------------------------------------------------
+    @property
+    def in_sync_warmup(self) -> bool:
+        """Whether the next update is one of the first ``warmup_sync_updates`` (synchronous ZeRO-1)."""
+        return self.progress.global_steps < self.warmup_sync_updates
+
+    @property
+    def current_rounds_per_update(self) -> int:
+        return 1 if self.in_sync_warmup else self.rounds_per_update
+
+    @property
+    def nominal_round_micro_batches(self) -> int:
+        """Micro-batches per round per rank: the accumulation steps (ACCO: half of them after warm-up)."""
+        return max(1, self.gradient_accumulation_steps // self.current_rounds_per_update)
+
+    def _sync_boundary(self) -> None:
+        """A warm-up update: ShardedAdamW's, waited at once and installed; the type's phases wait."""
+        work = self._launch(JobKind.COMMIT, wait=True)
+        if not self.synchronous:
+            self._install_gathered()
+        self._account_commit(work.wait())
 
     # ---- called by the engine --------------------------------------------------------------
     def backward_loss_scale(self) -> float:
@@ -231,12 +254,15 @@ class Schedule:
         Assumes the ``Phase`` members are listed in round order, one per round of an update (ACCO:
         first half, second half); a type whose phases are laid out otherwise overrides this.
         """
-        return list(self.Phase).index(self.phase) % self.rounds_per_update
+        return list(self.Phase).index(self.phase) % self.current_rounds_per_update
 
     def end_round(self) -> None:
         """Run the boundary now, whatever the round's length: wait, install, launch."""
         self._boundary_wait_s = 0.0
-        self.boundary()
+        if self.in_sync_warmup and self.running is None:
+            self._sync_boundary()
+        else:
+            self.boundary()
         self.total_wait_s += self._boundary_wait_s
         self.recent_wait_s.append(self._boundary_wait_s)
         self.round_micro_batches = 0

@@ -26,11 +26,11 @@ import torch
 
 from ..jobs import JobKind
 from ..schedule import CheckpointState, Schedule
-from .params import AdamWParams, config_error
+from .params import AdamWParams, WarmupParams, config_error
 
 
 @dataclass(kw_only=True)
-class ACCOParams(AdamWParams):
+class ACCOParams(WarmupParams, AdamWParams):
     """Accumulate while you communicate."""
 
     dynamic_accumulation: bool = False

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 from ..jobs import JobKind
 from ..schedule import Schedule
-from .params import AdamWParams
+from .params import AdamWParams, WarmupParams
 
 
 @dataclass(kw_only=True)
-class DPUParams(AdamWParams):
-    """Delayed parameter update: the common AdamW params only."""
+class DPUParams(WarmupParams, AdamWParams):
+    """Delayed parameter update: AdamW params and an optional synchronous warm-up."""
 
 
 class Phase(enum.Enum):

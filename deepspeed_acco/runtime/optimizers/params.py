@@ -151,3 +151,19 @@ class AdamWParams(PipelineParams):
         if self.weight_decay < 0:
             raise config_error(f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}",
                                "use 0 to disable weight decay")
+
+
+@dataclass(kw_only=True)
+class WarmupParams:
+    """Synchronous warm-up for the overlapped types (DPU, ACCO, CO2)."""
+
+    warmup_sync_updates: int = 0
+    """The first N committed updates are synchronous ZeRO-1 AdamW updates (ShardedAdamW's); the type's
+    own rule takes over after them from the committed parameters, without a restart (optimizer
+    state, step count and LR schedule carry on). 0: no warm-up."""
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.warmup_sync_updates < 0:
+            raise config_error(f"{prefix}.warmup_sync_updates", f"must be >= 0, got {self.warmup_sync_updates}",
+                               "use 0 for no warm-up, or the number of synchronous updates to start with")
