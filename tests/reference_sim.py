@@ -1,11 +1,11 @@
-"""An independent single-process simulation of DESIGN 3.1-3.5 for the tests.
+"""An independent single-process simulation of docs/design.md, 3.1-3.5 for the tests.
 
 W simulated workers feed the same micro-batches as the real ranks (``batch(rank, j)``). The
 optimizer is plain ``torch.optim.AdamW`` on one model; ACCO's Peek is done the slow, obviously
 correct way (deep-copy model and optimizer, step, read, discard), so the simulation shares no
 code with the engine's fused path.
 
-Precision (DESIGN 7, "Reduced precision"): the simulated model may compute in bf16 or fp16
+Precision (docs/design.md, 3.6): the simulated model may compute in bf16 or fp16
 (``model_dtype``) while every master, anchor, CO2 y_k and optimizer state stays fp32; the model
 holds the round-to-nearest cast of the fp32 values. With fp16 a static ``loss_scale`` S scales
 each micro-batch loss before backward and the summed gradients are divided by S afterwards; for a
@@ -182,7 +182,7 @@ class Simulator:
 
 
 def run_sharded(sim, accumulation, num_updates):
-    """DESIGN 3.1 on an existing simulator: ``num_updates`` synchronous AdamW updates from its state."""
+    """docs/design.md, 3.1 on an existing simulator: ``num_updates`` synchronous AdamW updates from its state."""
     for _ in range(num_updates):
         total, count = sim.gradient_sum(sim.get(), accumulation)
         sim.adamw([t / count for t in total])
@@ -194,7 +194,7 @@ def simulate_sharded(world_size, accumulation, num_updates, **options):
 
 
 def simulate_dpu(world_size, accumulation, num_rounds, warmup=0, **options):
-    """DESIGN 3.2: g_0 = g(theta_0; B_0), g_t = g(theta_{t-1}; B_t); theta_{t+1} = AdamW(theta_t, g_t).
+    """docs/design.md, 3.2: g_0 = g(theta_0; B_0), g_t = g(theta_{t-1}; B_t); theta_{t+1} = AdamW(theta_t, g_t).
 
     Returns the parameters the model holds after ``num_rounds`` rounds (theta_{rounds-1}).
     ``warmup``: that many synchronous updates first; the DPU rounds then start from their result.
@@ -210,10 +210,10 @@ def simulate_dpu(world_size, accumulation, num_rounds, warmup=0, **options):
 
 
 def simulate_acco(world_size, accumulation, num_updates=None, counts=None, warmup=0, **options):
-    """DESIGN 3.3, with the parameters the model holds after the step() ending round B_{num_updates-1}.
+    """docs/design.md, 3.3, with the parameters the model holds after the step() ending round B_{num_updates-1}.
 
     The model then holds theta~_{num_updates}; the committed theta_{num_updates} is also returned.
-    ``counts`` (DESIGN 3.4, dynamic accumulation, or an elastic restart): one pair
+    ``counts`` (docs/design.md, 3.4, dynamic accumulation, or an elastic restart): one pair
     (first_half, second_half) per update, each an int or a {rank: micro-batches} dict, replacing
     the fixed halves of ``accumulation // 2``; every mean divides by the global count.
     """
@@ -236,13 +236,13 @@ def _norm(tensors):
 
 def simulate_co2(world_size, accumulation, num_rounds, *, local_steps, outer_lr, outer_momentum, gap_penalty,
                  clip_threshold=None, group_size=1, **options):
-    """DESIGN 3.5 with one replica (model + AdamW) per group. Returns (x_R, x_{R+1}, replicas):
+    """docs/design.md, 3.5 with one replica (model + AdamW) per group. Returns (x_R, x_{R+1}, replicas):
     the anchor the replicas were reset to at the last boundary, and the one its job computes.
 
     ``model_dtype`` (in ``options``, like ``loss_scale``): the dtype the replicas' models compute
     in. Whatever it is, the inner AdamW masters, y_k (a replica's fp32 masters at the end of a
     round), the anchors, the outer momentum and the adaptive penalty's norms are fp32, and a
-    replica restarts each round from the fp32 anchor (DESIGN 7, "Reduced precision")."""
+    replica restarts each round from the fp32 anchor (docs/design.md, 3.6)."""
     replicas = [Simulator(world_size, ranks=range(first, first + group_size), **options)
                 for first in range(0, world_size, group_size)]
     anchors = {0: replicas[0].get(), 1: replicas[0].get()}

@@ -1,5 +1,5 @@
 """DeepSpeed config keys that our optimizer types accept and ignore (issue 10, "Config keys that are
-accepted and ignored"; DESIGN 6).
+accepted and ignored"; docs/design.md, section 6).
 
 A key that changes what a DeepSpeed user expects must be implemented or rejected with the usual
 ``ValueError`` naming the key and the fix, before torch.distributed is initialised. Unknown
@@ -46,7 +46,7 @@ def assert_rejected(config, key):
     assert not dist.is_initialized(), "validation must happen before torch.distributed is initialised"
 
 
-# ---- compressed communication (DESIGN 7, "Compressed communication"; docs/design.md 3.7) ------
+# ---- compressed communication (docs/design.md, 3.7) ------
 # DeepSpeed's ZeRO++ switches, with our format under optimizer.params. How the engine then trains
 # is tested in tests/test_compressed_training.py; here: what each config turns on, and the errors.
 ZERO_PLUS_PLUS = {"zero_quantized_gradients": True, "zero_quantized_weights": True}

@@ -1,7 +1,7 @@
 """The communication lane (deepspeed_acco/runtime/comm.py): ordering, results read at the wait, the
 hang check and the timeouts of our process groups; the device-side update decisions of the jobs.
 
-Layers 1 and 2 of the test plan: pure functions and the lane with fake communicators, no
+Layers 1 and 2 of docs/design.md section 7: pure functions and the lane with fake communicators, no
 processes. The CUDA lane tests run where a GPU is visible (benchmarks/gpu_check.sh).
 """
 import datetime

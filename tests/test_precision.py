@@ -1,4 +1,4 @@
-"""Every optimizer type in every precision against the independent simulation (issue 10; DESIGN 7,
+"""Every optimizer type in every precision against the independent simulation (issue 10; docs/design.md, 3.6,
 "Reduced precision": masters, anchors, CO2's y_k and every optimizer state are fp32, the model holds
 the cast; with fp16 each round is unscaled by the loss scale its own backward used).
 
@@ -213,7 +213,7 @@ def ulp_excess(ours, reference, dtype):
 
 
 def expected_global_steps(kind, num_updates):
-    # DPU and ACCO: the last commit is still in flight (DESIGN 3.2, 3.3).
+    # DPU and ACCO: the last commit is still in flight (docs/design.md, 3.2, 3.3).
     return num_updates - 1 if kind in ("DPU", "ACCO") else num_updates
 
 

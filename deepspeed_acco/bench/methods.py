@@ -98,7 +98,7 @@ class Variant:
         """Bytes per value of (gradient reduce-scatter, parameter all-gather) in one round.
 
         DeepSpeed communicates gradients in the model's dtype unless ``communication_data_type`` says
-        otherwise; deepspeed_acco's engine reduces them in fp32 by default (DESIGN 7). Parameters
+        otherwise; deepspeed_acco's engine reduces them in fp32 by default (docs/design.md, 3.6). Parameters
         are gathered in the model's dtype by both."""
         model = 2.0 if precision == "bf16" else 4.0
         grad, param = (4.0 if self.method.ours else model), model

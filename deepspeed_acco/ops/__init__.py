@@ -1,4 +1,4 @@
-"""Fused flat-shard update rules (DESIGN section 4): AdamW step, AdamW peek, CO2 outer step.
+"""Fused flat-shard update rules (docs/design.md, section 4): AdamW step, AdamW peek, CO2 outer step.
 
 Each public function validates its arguments and dispatches to one backend with the same
 signature: the pure-torch reference (:mod:`.reference`, which defines the semantics) or a fused
@@ -158,7 +158,7 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
                    mean_params: torch.Tensor, *, outer_lr: float, outer_momentum: float,
                    penalty: Optional[float] = None, clip_threshold: Optional[float] = None,
                    out: Optional[torch.Tensor] = None, control: Optional[torch.Tensor] = None) -> None:
-    """CO2 outer update on a shard (DESIGN 3.5); see :func:`.reference.co2_outer_step`.
+    """CO2 outer update on a shard (docs/design.md, 3.5); see :func:`.reference.co2_outer_step`.
 
     The gap penalty is either ``penalty`` (a host number) or ``control[CONTROL_VALUE]`` (a device value, with
     the skip flag in ``control[CONTROL_SKIP]``): give exactly one of the two.

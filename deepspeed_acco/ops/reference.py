@@ -1,4 +1,4 @@
-"""Pure-torch reference implementations of the fused update rules (DESIGN section 4).
+"""Pure-torch reference implementations of the fused update rules (docs/design.md, section 4).
 
 These functions *define* the semantics that the fused C++/CUDA kernels must reproduce. They
 follow ``torch.optim.AdamW``'s single-tensor code path operation by operation, so that
@@ -95,7 +95,7 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
                    mean_params: torch.Tensor, *, outer_lr: float, outer_momentum: float,
                    penalty: Optional[float] = None, clip_threshold: Optional[float] = None,
                    out: Optional[torch.Tensor] = None, control: Optional[torch.Tensor] = None) -> None:
-    """CO2's outer update on one shard (DESIGN 3.5), in place.
+    """CO2's outer update on one shard (docs/design.md, 3.5), in place.
 
     d = prev_anchor - mean_params; momentum = outer_momentum * momentum + d / penalty, clipped
     coordinate-wise to [-clip_threshold, clip_threshold] when given; prev_anchor <- anchor;
