@@ -235,36 +235,76 @@ def _norm(tensors):
 
 
 def simulate_co2(world_size, accumulation, num_rounds, *, local_steps, outer_lr, outer_momentum, gap_penalty,
-                 clip_threshold=None, group_size=1, **options):
-    """docs/design.md, 3.5 with one replica (model + AdamW) per group. Returns (x_R, x_{R+1}, replicas):
-    the anchor the replicas were reset to at the last boundary, and the one its job computes.
+                 clip_threshold=None, group_size=1, anchor_merge_steps=None, nesterov=False, normalize=False,
+                 warmup=0, **options):
+    """docs/design.md, 3.5 with one replica (model + AdamW) per group. Returns (holds, committed,
+    replicas): the parameters replica 0 holds after the last boundary (the anchor x_R it was reset
+    to; in eager mode its own parameters) and the newest anchor (the one the last job computes).
 
     ``model_dtype`` (in ``options``, like ``loss_scale``): the dtype the replicas' models compute
     in. Whatever it is, the inner AdamW masters, y_k (a replica's fp32 masters at the end of a
     round), the anchors, the outer momentum and the adaptive penalty's norms are fp32, and a
-    replica restarts each round from the fp32 anchor (docs/design.md, 3.6)."""
+    replica restarts each round from the fp32 anchor (docs/design.md, 3.6).
+
+    Options (docs/design.md, 3.5): ``anchor_merge_steps`` H (eager: x_{k+1} = x_k - alpha_o m_{k+1}
+    from round k's own pseudo-gradient, merged H inner steps into round k+1 as x_{k+1} + the
+    replica's progress since boundary k); ``nesterov`` (step along d / lambda + beta_o m);
+    ``normalize`` (SlowMo: d / (lambda gamma_k) into the momentum, the step times gamma_k, gamma_k
+    the mean inner learning rate of round k); ``warmup`` synchronous steps over all workers first.
+    """
     replicas = [Simulator(world_size, ranks=range(first, first + group_size), **options)
                 for first in range(0, world_size, group_size)]
+    for _ in range(warmup):  # every replica takes the step of the gradient averaged over all workers
+        sums = [replica.gradient_sum(replica.get(), accumulation) for replica in replicas]
+        total = [sum(parts) for parts in zip(*(part for part, _ in sums))]
+        count = sum(count for _, count in sums)
+        for replica in replicas:
+            replica.adamw([t / count for t in total])
     anchors = {0: replicas[0].get(), 1: replicas[0].get()}
     momentum = [torch.zeros_like(t) for t in anchors[0]]
+    eager = anchor_merge_steps is not None
+    pending = None  # eager: (x_{k+1}, each replica's y_k) waiting to be merged
+    anchor = anchors[0]  # eager: the anchor the replicas' round started from
+
+    def merge():
+        new_anchor, ys = pending
+        for replica, y in zip(replicas, ys):
+            replica.set([x + (p - b) for x, p, b in zip(new_anchor, replica.get(), y)])
+        return new_anchor
+
     for k in range(num_rounds):
-        for _ in range(local_steps):
+        lr_total = 0.0
+        for step in range(1, local_steps + 1):
+            lr_total += replicas[0].lr()
             for replica in replicas:
                 total, count = replica.gradient_sum(replica.get(), accumulation)
                 replica.adamw([t / count for t in total])
+            if eager and pending is not None and step == anchor_merge_steps:
+                anchor, pending = merge(), None
+        gamma = lr_total / local_steps if normalize else 1.0
         ys = [replica.get() for replica in replicas]
         ybar = [sum(parts) / len(ys) for parts in zip(*ys)]
-        x_k, x_next = anchors[k], anchors[k + 1]
+        x_k, x_next = (anchor, anchor) if eager else (anchors[k], anchors[k + 1])
         if gap_penalty == "adaptive":
             largest = max(float(_norm([a - b for a, b in zip(y, x_k)])) for y in ys)
             penalty = 1.0 + float(_norm([a - b for a, b in zip(x_next, x_k)])) / (largest + 1e-12)
         else:
             penalty = gap_penalty
-        for m, anchor, mean in zip(momentum, x_k, ybar):
-            m.mul_(outer_momentum).add_((anchor - mean) / penalty)
+        steps = []
+        for m, x, mean in zip(momentum, x_k, ybar):
+            d = (x - mean) / penalty / gamma
+            m.mul_(outer_momentum).add_(d)
             if clip_threshold is not None:
                 m.clamp_(-clip_threshold, clip_threshold)
-        anchors[k + 2] = [anchor - outer_lr * m for anchor, m in zip(x_next, momentum)]
-        for replica in replicas:
-            replica.set(x_next)  # inner AdamW moments are kept
+            steps.append(d + outer_momentum * m if nesterov else m.clone())
+        new_anchor = [x - outer_lr * gamma * step for x, step in zip(x_next, steps)]
+        if eager:
+            pending = (new_anchor, ys)
+        else:
+            anchors[k + 2] = new_anchor
+            for replica in replicas:
+                replica.set(x_next)  # inner AdamW moments are kept
+    if eager:
+        newest = pending[0] if pending is not None else anchor
+        return replicas[0].get(), newest, replicas
     return anchors[num_rounds], anchors[num_rounds + 1], replicas

@@ -77,6 +77,9 @@ RESUME_CASES = [
     ("acco-commit-pending", make_config("ACCO", 4), 8, 16),  # after B_1
     ("acco-mid-round", make_config("ACCO", 4), 7, 16),  # inside B_1: partial gradient sums saved
     ("co2-mid-outer-round", make_config("CO2", 2, local_steps=3), 10, 22),
+    # Eager mode, saved between boundary 1 and the merge of its job (y_1 and the LR sums in flight).
+    ("co2-eager-merge-pending", make_config("CO2", 2, local_steps=3, anchor_merge_steps=2, gap_penalty=1.0,
+                                            normalize_by_inner_lr=True), 14, 22),
 ]
 
 

@@ -157,11 +157,14 @@ def adamw_peek(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: torch.Tensor,
                    mean_params: torch.Tensor, *, outer_lr: float, outer_momentum: float,
                    penalty: Optional[float] = None, clip_threshold: Optional[float] = None,
-                   out: Optional[torch.Tensor] = None, control: Optional[torch.Tensor] = None) -> None:
+                   out: Optional[torch.Tensor] = None, control: Optional[torch.Tensor] = None,
+                   nesterov: bool = False, lr_scale: float = 1.0) -> None:
     """CO2 outer update on a shard (docs/design.md, 3.5); see :func:`.reference.co2_outer_step`.
 
     The gap penalty is either ``penalty`` (a host number) or ``control[CONTROL_VALUE]`` (a device value, with
-    the skip flag in ``control[CONTROL_SKIP]``): give exactly one of the two.
+    the skip flag in ``control[CONTROL_SKIP]``): give exactly one of the two. ``nesterov`` and
+    ``lr_scale`` (the options of docs/design.md 3.5) run on the torch reference: the outer step
+    comes once per round of ``local_steps`` inner steps, so a fused kernel would gain nothing.
     """
     if not isinstance(anchor, torch.Tensor):
         raise TypeError(f"anchor must be a torch.Tensor, got {type(anchor).__name__}")
@@ -179,13 +182,15 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
     _check_control(control, anchor.device)
     if clip_threshold is not None and clip_threshold <= 0.0:
         raise ValueError(f"clip_threshold must be > 0 or None, got {clip_threshold}")
+    if not lr_scale > 0.0:
+        raise ValueError(f"lr_scale must be > 0, got {lr_scale}")
     written = _staged(out, anchor)
     kernels = _backend.kernel_module(anchor.device.type)
     clip = None if clip_threshold is None else float(clip_threshold)
-    if kernels is None:
+    if kernels is None or nesterov or lr_scale != 1.0:
         reference.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=outer_lr,
                                  outer_momentum=outer_momentum, penalty=penalty, clip_threshold=clip_threshold,
-                                 out=written, control=control)
+                                 out=written, control=control, nesterov=nesterov, lr_scale=lr_scale)
     elif control is None:
         kernels.co2_outer_step(prev_anchor, anchor, momentum, mean_params, written, float(outer_lr),
                                float(outer_momentum), float(penalty), clip)

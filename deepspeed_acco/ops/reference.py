@@ -94,7 +94,8 @@ def _adamw_new_values(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta
 def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: torch.Tensor,
                    mean_params: torch.Tensor, *, outer_lr: float, outer_momentum: float,
                    penalty: Optional[float] = None, clip_threshold: Optional[float] = None,
-                   out: Optional[torch.Tensor] = None, control: Optional[torch.Tensor] = None) -> None:
+                   out: Optional[torch.Tensor] = None, control: Optional[torch.Tensor] = None,
+                   nesterov: bool = False, lr_scale: float = 1.0) -> None:
     """CO2's outer update on one shard (docs/design.md, 3.5), in place.
 
     d = prev_anchor - mean_params; momentum = outer_momentum * momentum + d / penalty, clipped
@@ -104,7 +105,17 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
     With ``control`` the penalty is ``control[CONTROL_VALUE]`` (``penalty`` is None), and if
     ``control[CONTROL_SKIP] != 0`` the round is skipped: prev_anchor <- anchor, anchor and momentum
     unchanged (x_{k+2} = x_{k+1}).
+
+    Options from the local-SGD literature (docs/design.md, 3.5), off by default: ``nesterov``
+    steps along d / penalty + outer_momentum * momentum instead of momentum (DiLoCo's outer
+    Nesterov); ``lr_scale`` gamma normalises the pseudo-gradient by the inner learning rate
+    (SlowMo): d / (penalty * gamma) enters the momentum and the step is multiplied by gamma.
     """
+    if nesterov or lr_scale != 1.0:
+        _co2_outer_step_variant(prev_anchor, anchor, momentum, mean_params, outer_lr=outer_lr,
+                                outer_momentum=outer_momentum, penalty=penalty, clip_threshold=clip_threshold,
+                                out=out, control=control, nesterov=nesterov, lr_scale=lr_scale)
+        return
     if control is not None:
         pseudo_grad = prev_anchor.sub(mean_params).div_(control[CONTROL_VALUE])
         new_momentum = momentum.mul(outer_momentum).add_(pseudo_grad)
@@ -124,6 +135,25 @@ def co2_outer_step(prev_anchor: torch.Tensor, anchor: torch.Tensor, momentum: to
         momentum.clamp_(-clip_threshold, clip_threshold)
     prev_anchor.copy_(anchor)
     anchor.sub_(momentum.mul(outer_lr))
+    if out is not None:
+        out.copy_(anchor)
+
+
+def _co2_outer_step_variant(prev_anchor, anchor, momentum, mean_params, *, outer_lr, outer_momentum, penalty,
+                            clip_threshold, out, control, nesterov, lr_scale) -> None:
+    """:func:`co2_outer_step` with Nesterov and/or SlowMo's normalisation (any skip via ``control``)."""
+    divisor = control[CONTROL_VALUE] if control is not None else penalty
+    pseudo_grad = prev_anchor.sub(mean_params).div_(divisor).div_(lr_scale)
+    new_momentum = momentum.mul(outer_momentum).add_(pseudo_grad)
+    if clip_threshold is not None:
+        new_momentum.clamp_(-clip_threshold, clip_threshold)
+    direction = pseudo_grad.add_(new_momentum, alpha=outer_momentum) if nesterov else new_momentum
+    new_anchor = anchor.sub(direction.mul(outer_lr * lr_scale))
+    skip = (control[CONTROL_SKIP] != 0) if control is not None else torch.zeros((), dtype=torch.bool,
+                                                                                 device=anchor.device)
+    momentum.copy_(torch.where(skip, momentum, new_momentum))
+    prev_anchor.copy_(anchor)
+    anchor.copy_(torch.where(skip, anchor, new_anchor))
     if out is not None:
         out.copy_(anchor)
 

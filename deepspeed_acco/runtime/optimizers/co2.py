@@ -34,7 +34,7 @@ from ..flat import FlatParamGroup
 from ..jobs import JobKind, correctly_rounded_sqrt
 from ..optimizer import ShardedOptimizer
 from ..schedule import BuildContext, CheckpointState, Schedule, result_to_dict
-from .params import AdamWParams, config_error
+from .params import AdamWParams, WarmupParams, config_error
 
 ADAPTIVE = "adaptive"
 # Added to the largest inner displacement so the adaptive penalty is defined for a still model.
@@ -43,21 +43,37 @@ logger = logging.getLogger("DeepSpeed").getChild("acco")
 
 
 @dataclass(kw_only=True)
-class CO2Params(AdamWParams):
-    """Local AdamW steps with one-step asynchronous outer averaging."""
+class CO2Params(WarmupParams, AdamWParams):
+    """Local AdamW steps with one-step asynchronous outer averaging.
+
+    The defaults of the outer rule (alpha_o 0.5, beta_o 0, lambda 1) keep the one-round-delayed
+    iteration stable: it converges along a direction that a round of local steps resolves only
+    while alpha_o / lambda < 1 - beta_o (docs/co2_convergence.md); the CO2 paper's alpha_o 1,
+    beta_o 0.5 sit past that edge and stall.
+    """
 
     local_steps: int = 12
     """tau: inner steps per outer round."""
-    outer_lr: float = 1.0
+    outer_lr: float = 0.5
     """alpha_o: outer learning rate."""
-    outer_momentum: float = 0.5
+    outer_momentum: float = 0.0
     """beta_o: outer momentum."""
-    gap_penalty: Union[float, str] = field(default=ADAPTIVE, metadata={"choices": (ADAPTIVE, )})
+    gap_penalty: Union[float, str] = field(default=1.0, metadata={"choices": (ADAPTIVE, )})
     """lambda: constant divisor of the pseudo-gradient, or "adaptive"."""
     clip_threshold: Optional[float] = None
     """c: coordinate-wise clip of the outer momentum; None disables clipping."""
     group_size: int = 1
     """g: consecutive ranks that average gradients every inner step (ZeRO-1 inside the group)."""
+    anchor_merge_steps: Optional[int] = None
+    """H (eager mode; off: None). The replicas keep their own progress at boundary k instead of
+    restarting from the anchor; J_k computes x_{k+1} = x_k - alpha_o m_{k+1} from round k's own
+    pseudo-gradient, and H inner steps into round k+1 every replica moves to x_{k+1} plus its
+    progress since the boundary. The job then has H inner steps to finish instead of tau."""
+    outer_nesterov: bool = False
+    """Step along d / lambda + beta_o m instead of m (DiLoCo's outer Nesterov momentum)."""
+    normalize_by_inner_lr: bool = False
+    """SlowMo: divide the pseudo-gradient by gamma_k, the mean inner learning rate of round k, and
+    multiply the outer step by it."""
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -76,6 +92,28 @@ class CO2Params(AdamWParams):
                                "use a positive threshold or null to disable")
         if self.group_size < 1:
             raise config_error(f"{prefix}.group_size", f"must be >= 1, got {self.group_size}", "use 1 (no groups)")
+        if self.anchor_merge_steps is not None:
+            if not 1 <= self.anchor_merge_steps <= self.local_steps:
+                raise config_error(f"{prefix}.anchor_merge_steps", f"must lie in [1, local_steps={self.local_steps}], "
+                                   f"got {self.anchor_merge_steps}", "use e.g. 1, or null for the one-round-late rule")
+            if self.gap_penalty == ADAPTIVE:
+                raise config_error(f"{prefix}.gap_penalty", "\"adaptive\" measures how far the anchor moved during "
+                                   "a round, which it never does with anchor_merge_steps", "use a number, e.g. 1.0")
+        self._warn_if_unstable(prefix)
+
+    def _warn_if_unstable(self, prefix: str) -> None:
+        """The linear stability bound of the outer iteration (docs/co2_convergence.md, section 3)."""
+        if self.gap_penalty == ADAPTIVE:
+            return
+        ratio = self.outer_lr / float(self.gap_penalty)
+        if self.anchor_merge_steps is None:
+            bound, rule = 1.0 - self.outer_momentum, "one round late"
+        else:
+            bound, rule = 2.0 * (1.0 + self.outer_momentum), "merged within the round"
+        if ratio >= bound:
+            logger.warning("deepspeed_acco config: %s: outer_lr / gap_penalty = %.3g is outside the stable range "
+                           "(< %.3g) of the CO2 outer iteration applied %s; expect the anchor to oscillate instead "
+                           "of converging (docs/co2_convergence.md)", prefix, ratio, bound, rule)
 
 
 class Phase(enum.Enum):
@@ -155,6 +193,8 @@ class CO2OuterJob:
     stream; the job's Work owns it until the job is known complete)."""
     compression: Optional[List[GroupCompression]] = None
     """Per group, the compressed displacement reduce-scatter and/or anchor all-gather (None: fp32)."""
+    lr_scales: Optional[List[float]] = None
+    """Per group, gamma_k (normalize_by_inner_lr), else None."""
 
     def __call__(self) -> DeviceReadback:
         device = self.states[0].anchor.device
@@ -166,6 +206,11 @@ class CO2OuterJob:
                     self.communicator.reduce_scatter(state.mean_displacement, state.displacement)
                 else:  # the residual carries what was not sent of this round's displacement into the next
                     compression.reduce_scatter(state.mean_displacement, state.displacement)
+
+        if self.params.anchor_merge_steps is not None:
+            # Eager mode: round k's pseudo-gradient moves x_k itself, x_{k+1} = x_k - alpha_o m_{k+1}.
+            for state in self.states:
+                state.prev_anchor.copy_(state.anchor)
 
         with clock.phase("statistics"):
             num_groups = self.num_groups
@@ -190,7 +235,9 @@ class CO2OuterJob:
                 mean_params = state.mean_displacement.float().div_(num_groups).add_(state.prev_anchor)
                 ops.co2_outer_step(state.prev_anchor, state.anchor, state.momentum, mean_params,
                                    outer_lr=self.params.outer_lr, outer_momentum=self.params.outer_momentum,
-                                   clip_threshold=self.params.clip_threshold, out=out, control=control)
+                                   clip_threshold=self.params.clip_threshold, out=out, control=control,
+                                   nesterov=self.params.outer_nesterov,
+                                   lr_scale=self.lr_scales[index] if self.lr_scales is not None else 1.0)
 
         with clock.phase("all_gather"):
             for index, state in enumerate(self.states):
@@ -200,6 +247,22 @@ class CO2OuterJob:
                 else:  # round_start stays unchanged until the boundary that waits for this job
                     compression.all_gather(state.gather, held=state.round_start)
         return DeviceReadback(summary, _outer_result, clock)
+
+
+class _AveragedOverGroups:
+    """A warm-up inner step: first sum the round's gradients over every rank, scaled so that the
+    group's reduce-scatter totals every rank's gradients once; then the group's usual step."""
+
+    def __init__(self, job, outer_communicator: Communicator, group_size: int):
+        self.job = job
+        self.outer_communicator = outer_communicator
+        self.group_size = group_size
+
+    def __call__(self):
+        for flat in self.job.flats:
+            self.outer_communicator.all_reduce(flat.job_grad)
+            flat.job_grad.div_(self.group_size)
+        return self.job()
 
 
 def _outer_result(summary: List[float], timings_s: Dict[str, float]) -> OuterResult:
@@ -252,25 +315,42 @@ class CO2(Schedule):
         self.outer_rounds = 0
         """Outer boundaries passed (k after boundary k - 1)."""
         self.outer_skips = 0
+        self.merge_steps = self.params.anchor_merge_steps
+        self.boundary_masters: Optional[List[torch.Tensor]] = None
+        """Eager mode: y_k on this rank's inner shards, kept from boundary k until J_k is merged."""
+        self.round_lr_sums = [0.0] * len(self.flats)
+        """normalize_by_inner_lr: per group, the sum of the inner steps' learning rates this round."""
         # The inner steps' compression (self.compression) is on the group's communicator: none with
         # group_size 1. The outer job's is on all ranks.
         self.outer_compression: Optional[List[GroupCompression]] = group_compressions(
             context.config.compression, outer_communicator, [flat.padded_numel for flat in self.flats], context.device)
 
     def boundary(self) -> None:
+        self._record_inner_lr()
         work = self._launch(JobKind.COMMIT, wait=True)  # one inner step of this replica
         self._account_commit(work.wait())
         self.inner_steps_in_round += 1
+        if self.merge_steps is not None and self.running is not None and self.inner_steps_in_round == self.merge_steps:
+            self._merge()
         if self.inner_steps_in_round == self.params.local_steps:
             self._outer_boundary()
             self.inner_steps_in_round = 0
 
-    def _outer_boundary(self) -> None:
-        outer = self._wait_running()
+    def _record_inner_lr(self) -> None:
+        if self.params.normalize_by_inner_lr:
+            for index, flat in enumerate(self.flats):
+                self.round_lr_sums[index] += float(flat.param_group["lr"])
+
+    def _log_skip(self, outer) -> None:
         if outer is not None and outer.skipped:
             self.outer_skips += 1
             logger.warning("CO2 outer round %d: non-finite replica parameters; the anchor did not move (outer "
                            "rounds skipped so far: %d)", self.outer_rounds - 1, self.outer_skips)
+
+    def _outer_boundary(self) -> None:
+        eager = self.merge_steps is not None
+        outer = None if eager else self._wait_running()  # eager mode merged J_{k-1} already
+        self._log_skip(outer)
         displacement_sq = torch.zeros((), dtype=torch.float64, device=self.flats[0].device)
         with torch.no_grad():
             for flat, state, shard in zip(self.flats, self.outers, self.shards):
@@ -278,15 +358,87 @@ class CO2(Schedule):
                 moved = shard.master - state.round_start[own]  # y_k - x_k on this rank's inner shard, fp32
                 displacement_sq += torch.linalg.vector_norm(moved).double().square()
                 state.displacement[own].copy_(moved)
+                if eager:
+                    continue  # the replica keeps its progress; J_k's anchor is merged H steps later
                 if outer is not None:  # x_{k+1} arrived (for k = 0, x_1 = x_0 is already there)
                     state.round_start, state.gather = state.gather, state.round_start
                 flat.install(state.round_start)
                 shard.master.copy_(state.round_start[own])
+        if eager:
+            self.boundary_masters = [shard.master.clone() for shard in self.shards]
+        lr_scales = None
+        if self.params.normalize_by_inner_lr:
+            lr_scales = [total / self.params.local_steps for total in self.round_lr_sums]
+            self.round_lr_sums = [0.0] * len(self.flats)
         job = CO2OuterJob(states=self.outers, communicator=self.outer_communicator, num_groups=self.num_groups,
                           group_index=self.group_index, params=self.params, local_displacement_sq=displacement_sq,
-                          compression=self.outer_compression)
+                          compression=self.outer_compression, lr_scales=lr_scales)
         self._submit(job, self.outer_communicator, f"CO2 outer averaging of round {self.outer_rounds}", wait=False)
         self.outer_rounds += 1
+
+    def _merge(self) -> None:
+        """Eager mode, H inner steps after boundary k: every replica moves to x_{k+1} plus its own
+        progress since the boundary (after a skipped round, back to the anchor)."""
+        outer = self._wait_running()
+        self._log_skip(outer)
+        with torch.no_grad():
+            for flat, state, shard, at_boundary in zip(self.flats, self.outers, self.shards, self.boundary_masters):
+                own = slice(flat.shard_offset, flat.shard_offset + flat.shard_numel)
+                state.round_start, state.gather = state.gather, state.round_start  # x_{k+1}
+                if outer.skipped:
+                    shard.master.copy_(state.round_start[own])
+                else:
+                    shard.master.copy_(state.round_start[own] + (shard.master - at_boundary))
+        self.boundary_masters = None
+        self._install_replica([shard.master for shard in self.shards])
+
+    def _install_replica(self, shards: List[torch.Tensor]) -> None:
+        """The model holds the cast of this group's inner masters (all-gathered in the group)."""
+        if self.group_size == 1:
+            for flat, shard in zip(self.flats, shards):
+                flat.install(shard)
+            return
+        self._wait(self.lane.submit(lambda: self._gather_replica(shards), self.communicator,
+                                    label="CO2 replica after a merge"))
+
+    # ---- synchronous warm-up ------------------------------------------------------------------
+    def _sync_boundary(self) -> None:
+        """A warm-up step: the round's gradients averaged over every rank, then the group's inner
+        step; every replica takes the same step. When the warm-up ends, CO2 starts from there."""
+        self._record_inner_lr()
+        job = self._shard_update_job(JobKind.COMMIT)
+        if self.num_groups > 1:
+            job.local_micro_batches *= self.num_groups  # the group's count then totals every rank's
+            job = _AveragedOverGroups(job, self.outer_communicator, self.group_size)
+        work = self._submit(job, self.communicator, "CO2 synchronous warm-up step", wait=True)
+        self._account_commit(work.wait())
+        if not self.in_sync_warmup:
+            self._restart_outer_from_replica()
+
+    def _restart_outer_from_replica(self) -> None:
+        """x_0 = x_1 = the replicas' fp32 parameters (identical after the warm-up), m = 0."""
+        fulls = self._wait(self.lane.submit(self._gather_masters_fp32, self.communicator,
+                                            label="CO2 anchors after the warm-up"))
+        for state, full in zip(self.outers, fulls):
+            state.round_start.copy_(full)
+            state.gather.copy_(full)
+            state.anchor.copy_(state.shard_of(full))
+            state.prev_anchor.copy_(state.anchor)
+            state.momentum.zero_()
+        for compression in self.outer_compression or ():
+            compression.reset()
+        self.inner_steps_in_round = 0
+        self.outer_rounds = 0
+        self.round_lr_sums = [0.0] * len(self.flats)
+
+    def _gather_masters_fp32(self) -> List[torch.Tensor]:
+        fulls = []
+        for flat, shard in zip(self.flats, self.shards):
+            full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=flat.device)
+            flat.shard_of(full).copy_(shard.master)
+            self.communicator.all_gather(full, flat.shard_of(full))
+            fulls.append(full)
+        return fulls
 
     def committed_flats(self) -> Optional[List[torch.Tensor]]:
         """The newest anchor: x_{k+2} once J_k has finished, x_0 before the first boundary."""
@@ -307,6 +459,8 @@ class CO2(Schedule):
             compression.reset()
         self.inner_steps_in_round = 0
         self.outer_rounds = 0
+        self.boundary_masters = None
+        self.round_lr_sums = [0.0] * len(self.flats)
 
     def wire_bytes_per_job(self) -> Dict[str, int]:
         """Bytes this rank sends per outer averaging job J_k (an inner step, with group_size > 1, sends
@@ -325,11 +479,14 @@ class CO2(Schedule):
         meta = {"phase": self.phase.value, "round_micro_batches": self.round_micro_batches,
                 "round_loss_scale": self.round_loss_scale, "jobs_launched": self.jobs_launched,
                 "group_size": self.group_size, "inner_steps_in_round": self.inner_steps_in_round,
-                "outer_rounds": self.outer_rounds, "outer_skips": self.outer_skips, "pending": None}
+                "outer_rounds": self.outer_rounds, "outer_skips": self.outer_skips, "pending": None,
+                "round_lr_sums": list(self.round_lr_sums)}
         if self.running is not None:
             meta["pending"] = {"result": result_to_dict(self.running.wait())}
         local = {"inner_master": [shard.master.clone() for shard in self.shards],
                  "inner_state": [{name: value.clone() for name, value in shard.state.items()} for shard in self.shards]}
+        if self.boundary_masters is not None:
+            local["boundary_masters"] = [values.clone() for values in self.boundary_masters]
         if self.round_micro_batches:
             local["grad_accum"] = [flat.unpadded(flat.grad_accum).clone() for flat in self.flats]
         sharded = {"prev_anchor": [s.prev_anchor.clone() for s in self.outers],
@@ -355,6 +512,9 @@ class CO2(Schedule):
         self.inner_steps_in_round = int(meta["inner_steps_in_round"])
         self.outer_rounds = int(meta["outer_rounds"])
         self.outer_skips = int(meta["outer_skips"])
+        self.round_lr_sums = list(meta.get("round_lr_sums", self.round_lr_sums))
+        if "boundary_masters" in state.local:
+            self.boundary_masters = [values.clone() for values in state.local["boundary_masters"]]
         if meta["round_micro_batches"]:
             self.round_micro_batches = int(meta["round_micro_batches"])
             self.round_loss_scale = meta.get("round_loss_scale")
