@@ -485,3 +485,19 @@ def test_cluster_links_are_full_duplex_per_node_and_removed():
         assert 0.85 * 200e6 < m["one_way_bps"] < 1.02 * 200e6, m
         assert all(0.75 * 200e6 < x < 1.02 * 200e6 for x in m["duplex_bps"]), m
     assert not set(names) & set(_our_namespaces())
+
+
+def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_bound():
+    from deepspeed_acco.bench.methods import ds_config, parse_variant
+    from deepspeed_acco.bench.report import bound_seconds
+    common = dict(world_size=2, micro_batch=4, grad_accum=2, lr=1e-3, total_updates=30, warmup=5)
+    cfg = ds_config("co2+eager", **common, warmup_sync_updates=6)
+    assert cfg["optimizer"]["params"]["anchor_merge_steps"] == 1
+    assert cfg["optimizer"]["params"]["warmup_sync_updates"] == 6
+    assert "warmup_sync_updates" not in ds_config("zero1", **common, warmup_sync_updates=6)["optimizer"]["params"]
+    assert ds_config("dpu", **common, warmup_sync_updates=6)["optimizer"]["params"]["warmup_sync_updates"] == 6
+    with pytest.raises(ValueError, match="applies to co2 only"):
+        parse_variant("acco+eager")
+    # CO2 hides its averaging under a round of 12 inner steps, eager CO2 under one inner step.
+    assert bound_seconds("co2", 1.0, 6.0, 12) == 1.0
+    assert bound_seconds("co2+eager", 1.0, 6.0, 12) == 6.0

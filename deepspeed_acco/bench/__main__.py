@@ -105,11 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated seeds (initial weights and data order): every method runs once per seed and "
                         "the report gives the validation-loss gap to ZeRO-1 as mean and range over them")
     g.add_argument("--local-steps", type=int, default=12, help="CO2: inner steps between parameter averagings")
-    g.add_argument("--outer-lr", type=float, default=None, help="CO2: outer learning rate (default: the engine's, 1.0)")
+    g.add_argument("--warmup-sync-updates", type=int, default=0,
+                   help="DPU, ACCO, CO2: the first N updates synchronous (ZeRO-1), then the method's own rule")
+    g.add_argument("--outer-lr", type=float, default=None, help="CO2: outer learning rate (default: the engine's, 0.5)")
     g.add_argument("--outer-momentum", type=float, default=None,
-                   help="CO2: outer momentum (default: the engine's, 0.5)")
+                   help="CO2: outer momentum (default: the engine's, 0)")
     g.add_argument("--gap-penalty", default=None, type=_gap_penalty,
-                   help="CO2: a number (constant divisor) or 'adaptive' (default: the engine's, adaptive)")
+                   help="CO2: a number (constant divisor) or 'adaptive' (default: the engine's, 1.0)")
     g.add_argument("--slow-rank", default="", metavar="R:F",
                    help="make rank R's compute F times slower (ACCO then uses dynamic accumulation)")
     g.add_argument("--no-dynamic-accumulation", action="store_true",
@@ -174,7 +176,7 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
            "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--precision", args.precision,
            "--lr", repr(args.lr), "--warmup", str(args.warmup), "--weight-decay", repr(args.weight_decay),
            "--clip", repr(args.clip), "--seed", str(seed), "--local-steps", str(args.local_steps),
-           "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
+           "--warmup-sync-updates", str(args.warmup_sync_updates), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
     if target_loss is not None:
         out += ["--target-loss", repr(float(target_loss)), "--max-updates", str(args.max_updates)]
     base = method.split("+")[0]
@@ -296,6 +298,7 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
         cfg = ds_config(m, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum, lr=args.lr,
                         total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
                         local_steps=args.local_steps, bf16=args.precision == "bf16",
+                        warmup_sync_updates=args.warmup_sync_updates,
                         co2_options=co2_options(argparse.Namespace(
                             outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                             gap_penalty=None if args.gap_penalty is None else str(args.gap_penalty),

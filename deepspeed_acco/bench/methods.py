@@ -54,6 +54,8 @@ class Modifier:
     parameter_bytes: Optional[float] = None
     help: str = ""
     not_for_deepspeed: str = ""  # why DeepSpeed's own methods cannot take it (empty: they can)
+    only_for: str = ""  # the one method it applies to (empty: any)
+    co2_overlap_steps: Optional[int] = None  # CO2: inner steps its outer job must fit in (the bound)
 
 
 _ZERO_PLUS_PLUS_ONLY_STAGE_3 = ("DeepSpeed honours zero_quantized_gradients/_weights only with ZeRO stage 3, so its "
@@ -71,6 +73,11 @@ MODIFIERS: Dict[str, Modifier] = {m.name: m for m in (
              gradient_bytes=1 + 4 / 128, parameter_bytes=1 + 4 / 128,
              help="int8 gradient reduce-scatter and parameter-delta all-gather (zero_quantized_gradients/_weights)",
              not_for_deepspeed=_ZERO_PLUS_PLUS_ONLY_STAGE_3),
+    # CO2's eager mode (docs/design.md 3.5): the anchor is merged one inner step into the next
+    # round, so the averaging must fit under one inner step rather than a whole round.
+    Modifier("eager", "eager (H=1)", {"optimizer": {"params": {"anchor_merge_steps": 1}}},
+             help="CO2 only: anchor_merge_steps 1 (replicas keep their progress; the average is merged one "
+                  "inner step into the next round)", only_for="co2", co2_overlap_steps=1),
     Modifier("q4", "int4 comm", {"zero_optimization": {"zero_quantized_gradients": True,
                                                        "zero_quantized_weights": True},
                                  "optimizer": {"params": {"quantization_bits": 4}}},
@@ -134,6 +141,8 @@ def parse_variant(text: str) -> Variant:
                              f"{', '.join(MODIFIERS)} (e.g. acco+bf16comm)")
         if MODIFIERS[name] in modifiers:
             raise ValueError(f"--methods: modifier {name!r} given twice in {text!r}")
+        if MODIFIERS[name].only_for and base != MODIFIERS[name].only_for:
+            raise ValueError(f"--methods: {text!r}: modifier {name!r} applies to {MODIFIERS[name].only_for} only")
         if MODIFIERS[name].not_for_deepspeed and base != "compute" and not METHODS[base].ours:
             raise ValueError(f"--methods: {text!r}: {MODIFIERS[name].not_for_deepspeed}; use it with "
                              f"deepspeed_acco's methods (sharded, dpu, acco, co2)")
@@ -146,7 +155,7 @@ def parse_variant(text: str) -> Variant:
 def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int, lr: float, total_updates: int,
               warmup: int, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
               local_steps: int = 12, dynamic_accumulation: bool = False, bf16: bool = False,
-              torch_adam: bool = True, co2_options: Optional[dict] = None) -> dict:
+              torch_adam: bool = True, co2_options: Optional[dict] = None, warmup_sync_updates: int = 0) -> dict:
     """The DeepSpeed JSON config (as a dict) for ``method`` (a method name, with modifiers if any:
     ``acco+bf16comm``); ``co2_options``: further CO2 params (``outer_lr``, ``outer_momentum``,
     ``gap_penalty``, ``group_size``), the engine's defaults where absent."""
@@ -161,6 +170,8 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         params["torch_adam"] = True  # torch.optim.AdamW: no op build needed on CPU
     if spec.name == "acco":
         params["dynamic_accumulation"] = bool(dynamic_accumulation)
+    if warmup_sync_updates and spec.name in ("dpu", "acco", "co2"):
+        params["warmup_sync_updates"] = int(warmup_sync_updates)
     if spec.name == "co2":
         params["local_steps"] = int(local_steps)
         params.update(co2_options or {})

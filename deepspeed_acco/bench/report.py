@@ -469,12 +469,17 @@ def probe_round_seconds(probe: dict, method: str, precision: str) -> Optional[fl
 def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: int) -> Optional[float]:
     """Lower bound on the per-update time: overlapped methods max(T_compute, k T_comm) (ACCO k = 2,
     DPU 1, CO2 1/local_steps); the others T_compute + T_comm."""
-    spec = METHODS["compute"] if method == "compute" else parse_variant(method).method
+    variant = None if method == "compute" else parse_variant(method)
+    spec = METHODS["compute"] if variant is None else variant.method
     if spec.optimizer is None:
         return t_compute
     if not spec.overlapped:
         return t_compute + t_comm
-    k = 1.0 / max(local_steps, 1) if spec.name == "co2" else spec.comm_jobs
+    if spec.name == "co2":
+        steps = [m.co2_overlap_steps for m in variant.modifiers if m.co2_overlap_steps] or [local_steps]
+        k = 1.0 / max(steps[0], 1)
+    else:
+        k = spec.comm_jobs
     return max(t_compute, k * t_comm)
 
 

@@ -70,6 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local-steps", type=int, default=12)
+    p.add_argument("--warmup-sync-updates", type=int, default=0)
     p.add_argument("--group-size", type=int, default=1, help="CO2: ranks that average gradients every step")
     p.add_argument("--outer-lr", type=float, default=None)
     p.add_argument("--outer-momentum", type=float, default=None)
@@ -275,7 +276,7 @@ def run(args) -> dict:
                         lr=args.lr, total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay,
                         clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
                         bf16=args.precision == "bf16", torch_adam=not torch.cuda.is_available(),
-                        co2_options=co2_options(args))
+                        warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args))
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
                 json.dump(cfg, f, indent=1)
