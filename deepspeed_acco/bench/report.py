@@ -261,10 +261,11 @@ def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[di
                    speedup_vs_zero1=(base.wall_s / r.wall_s) if base is not None and not is_compute else None,
                    comm_wait_s=wait if not is_compute else 0.0, comm_wait_derived=derived,
                    train_loss=None if is_compute else r.final_train_loss(),
-                   val_loss=None if is_compute else r.final_val_loss,
-                   val_ppl=None if is_compute else math.exp(r.final_val_loss),
+                   # compute-only: rank 0's replica, which trained alone ("a lone replica")
+                   val_loss=r.final_val_loss if r.val else None,
+                   val_ppl=math.exp(r.final_val_loss) if r.val else None,
                    val_gap_vs_zero1=((r.final_val_loss / base.final_val_loss - 1.0)
-                                     if base is not None and not is_compute else None),
+                                     if base is not None and r.val else None),
                    peak_rss_mib=r.peak_rss_mib, init_s=max(s["init_s"] for s in r.summaries.values()),
                    snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()),
                    snapshot_at_updates_s=max(s.get("snapshot_at_updates_s", s.get("snapshot_s", 0.0)) or 0.0
@@ -325,8 +326,8 @@ def ttt_table(rows: Sequence[dict], eval_every: int, max_updates: int) -> str:
 def seed_rows(results: Sequence[RunResult], seeds: Sequence[int]) -> List[dict]:
     """Per method, over seeds: validation loss after --updates, its gap to ZeRO-1 of the same seed
     (mean and range), and the time-to-target speedup over ZeRO-1 of the same seed."""
-    by = {(r.method, r.seed): r for r in results if r.method != "compute"}
-    methods = list(dict.fromkeys(r.method for r in results if r.method != "compute"))
+    by = {(r.method, r.seed): r for r in results if r.method != "compute" or r.val}
+    methods = list(dict.fromkeys(r.method for r in results if r.method != "compute" or r.val))
     out = []
     for m in methods:
         vals, gaps, speedups, reached, n = [], [], [], 0, 0
@@ -346,12 +347,13 @@ def seed_rows(results: Sequence[RunResult], seeds: Sequence[int]) -> List[dict]:
 
         def stats(v):
             return (sum(v) / len(v), min(v), max(v)) if v else (None, None, None)
-        out.append(dict(method=m, label=parse_variant(m).label, seeds=n, val_mean=stats(vals)[0],
+        label = "lone replica (compute-only run, rank 0)" if m == "compute" else parse_variant(m).label
+        out.append(dict(method=m, label=label, seeds=n, val_mean=stats(vals)[0],
                         gap_mean=stats(gaps)[0], gap_min=stats(gaps)[1], gap_max=stats(gaps)[2],
                         ttt_speedup_mean=stats(speedups)[0], ttt_speedup_min=stats(speedups)[1],
                         ttt_speedup_max=stats(speedups)[2], reached=reached,
-                        target=any(by[(m, s)].target_loss is not None or m == BASELINE
-                                   for s in seeds if (m, s) in by)))
+                        target=m != "compute" and any(by[(m, s)].target_loss is not None or m == BASELINE
+                                                      for s in seeds if (m, s) in by)))
     return out
 
 

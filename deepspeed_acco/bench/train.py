@@ -270,7 +270,10 @@ def run(args) -> dict:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         engine = _ComputeOnly(model, args, world)
-        validator = None  # the floor is timed, not evaluated
+        # Every rank's replica trains alone on its own batches; each evaluates its own on every window
+        # (the clock is paused), and rank 0's figure is "a lone replica" in the report.
+        validator = _Validator(build_model(args.model, args.ctx, args.seed), validation_windows(
+            corpus.val, args.ctx, args.val_windows), 0, 1, batch_size=max(1, 2 * args.micro_batch))
     else:
         cfg = ds_config(args.method, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                         lr=args.lr, total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay,
@@ -314,7 +317,7 @@ def run(args) -> dict:
     micro, losses, committed, slow_s = 0, [], 0, 0.0
     wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = None, None, None, None
     reached_update, reached_wall = None, None
-    target = args.target_loss if validator is not None else None
+    target = args.target_loss if validator is not None and args.method != "compute" else None
     if target is not None and val[0] <= target:
         reached_update, reached_wall = 0, 0.0
 
