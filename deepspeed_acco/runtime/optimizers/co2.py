@@ -417,19 +417,22 @@ class CO2(Schedule):
 
     def _restart_outer_from_replica(self) -> None:
         """x_0 = x_1 = the replicas' fp32 parameters (identical after the warm-up), m = 0."""
-        fulls = self._wait(self.lane.submit(self._gather_masters_fp32, self.communicator,
-                                            label="CO2 anchors after the warm-up"))
+        self._anchors_from_replica("CO2 anchors after the warm-up")
+        for compression in self.outer_compression or ():
+            compression.reset()
+        self.inner_steps_in_round = 0
+        self.outer_rounds = 0
+        self.round_lr_sums = [0.0] * len(self.flats)
+
+    def _anchors_from_replica(self, label: str) -> None:
+        """Anchors (x_k = x_{k+1}, all copies) = the replicas' fp32 parameters, momentum 0. Collective."""
+        fulls = self._wait(self.lane.submit(self._gather_masters_fp32, self.communicator, label=label))
         for state, full in zip(self.outers, fulls):
             state.round_start.copy_(full)
             state.gather.copy_(full)
             state.anchor.copy_(state.shard_of(full))
             state.prev_anchor.copy_(state.anchor)
             state.momentum.zero_()
-        for compression in self.outer_compression or ():
-            compression.reset()
-        self.inner_steps_in_round = 0
-        self.outer_rounds = 0
-        self.round_lr_sums = [0.0] * len(self.flats)
 
     def _gather_masters_fp32(self) -> List[torch.Tensor]:
         fulls = []
@@ -441,7 +444,10 @@ class CO2(Schedule):
         return fulls
 
     def committed_flats(self) -> Optional[List[torch.Tensor]]:
-        """The newest anchor: x_{k+2} once J_k has finished, x_0 before the first boundary."""
+        """The newest anchor: x_{k+2} once J_k has finished, x_0 before the first boundary. During the
+        synchronous warm-up the updates are installed at once: the model holds the committed state."""
+        if self.in_sync_warmup:
+            return None
         return [state.gather if self.running is not None else state.round_start for state in self.outers]
 
     def pending_commit(self):
@@ -476,6 +482,12 @@ class CO2(Schedule):
         return False  # the inner state is per group; DeepSpeed's partitions hold the anchors
 
     def checkpoint_state(self) -> CheckpointState:
+        if self.in_sync_warmup and self.progress.global_steps > 0:
+            # Inside the warm-up the anchors are still x_0: the DeepSpeed partitions (what another
+            # loader and zero_to_fp32 read as the committed weights) get the replicas' fp32
+            # parameters instead. The switch overwrites the anchors anyway, so this changes nothing
+            # for the run that continues.
+            self._anchors_from_replica("CO2 anchors for a checkpoint inside the warm-up")
         meta = {"phase": self.phase.value, "round_micro_batches": self.round_micro_batches,
                 "round_loss_scale": self.round_loss_scale, "jobs_launched": self.jobs_launched,
                 "group_size": self.group_size, "inner_steps_in_round": self.inner_steps_in_round,
