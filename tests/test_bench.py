@@ -424,17 +424,25 @@ def test_ctrl_c_removes_namespace_and_processes(tmp_path):
     cmd = [sys.executable, "-m", "deepspeed_acco.bench", "--model", "tiny", "--ctx", "64", "--updates", "100000",
            "--methods", "zero1", "--no-compute-only", "--bandwidth", "1gbit", "--out", str(out), "--no-progress",
            "--no-comm-probe"]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    rows = out / "runs" / "zero1" / "rank0.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (rows.exists() and rows.stat().st_size > 0):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.5)
-    assert rows.exists(), "training never started"
-    mine = [n for n in _our_namespaces() if n.startswith(f"acco-{proc.pid}-")]
-    assert len(mine) == 3, f"expected two node namespaces and a switch, got {mine}"
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
+    # A test run started in the background of a non-interactive shell inherits SIGINT ignored (POSIX),
+    # and Python keeps an ignored SIGINT ignored: give the bench the terminal's default, as a user has.
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        rows = out / "runs" / "zero1" / "rank0.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (rows.exists() and rows.stat().st_size > 0):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        assert rows.exists(), "training never started"
+        mine = [n for n in _our_namespaces() if n.startswith(f"acco-{proc.pid}-")]
+        assert len(mine) == 3, f"expected two node namespaces and a switch, got {mine}"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:  # failed above: the bench's own SIGTERM handler still cleans up
+            proc.terminate()
+            proc.wait(timeout=60)
     assert proc.returncode == 130
     assert not [n for n in _our_namespaces() if n.startswith(f"acco-{proc.pid}-")]
     time.sleep(0.5)
