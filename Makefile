@@ -23,8 +23,11 @@ $(STAMP): setup.py pyproject.toml Makefile
 demo: venv
 	$(PY) -m deepspeed_acco.bench
 
+# JIT-built ops (ours and DeepSpeed's) go to a folder of this checkout's venv unless the caller chose
+# one: a build is tied to the venv's paths, and two checkouts sharing ~/.cache/torch_extensions
+# rebuild each other's ops, so a test killed mid-build there could leave a lock the other waits on.
 test: venv
-	$(PY) -m pytest -q tests
+	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(CURDIR)/$(VENV)/torch_extensions}" $(PY) -m pytest -q tests
 
 kernels-bench: venv
 	$(PY) benchmarks/kernels.py
