@@ -203,16 +203,19 @@ def _median(values: Sequence[float]) -> float:
 
 
 def load_run(run_dir: str, method: str, bandwidth: str = "", bps: Optional[float] = None, seed: int = 0) -> RunResult:
-    rows, summaries, val = {}, {}, {}
+    rows, summaries, val_by_rank = {}, {}, {}
     for path in sorted(glob.glob(os.path.join(run_dir, "rank*.summary.json"))):
         with open(path) as f:
             s = json.load(f)
         summaries[s["rank"]] = s
-        val.update({int(k): float(v) for k, v in s.get("val", {}).items()})
+        val_by_rank[s["rank"]] = {int(k): float(v) for k, v in s.get("val", {}).items()}
         with open(os.path.join(run_dir, f"rank{s['rank']}.jsonl")) as f:
             rows[s["rank"]] = [json.loads(line) for line in f if line.strip()]
     if not summaries:
         raise FileNotFoundError(f"no rank summaries in {run_dir} (the run failed; see its launcher.log)")
+    # Rank 0's evaluations: every rank of a data-parallel method holds the same committed weights, and
+    # in the compute-only run each rank is a lone replica of its own, of which rank 0's is reported.
+    val = next((val_by_rank[r] for r in sorted(val_by_rank) if val_by_rank[r]), {})
     job = {}
     if os.path.exists(os.path.join(run_dir, "job.json")):
         with open(os.path.join(run_dir, "job.json")) as f:
