@@ -14,8 +14,14 @@ benchmarks/co2_study.py become linear recurrences with a = alpha * r / lambda:
       z^2 - (1 + beta) z + (beta + a) = 0                    stable iff 0 < a < 1 - beta
   delayed Nesterov         e_{k+2} = e_{k+1} - alpha (g_k + beta m_{k+1})
       z^3 - (1 + beta) z^2 + (beta + a + a beta) z - a beta = 0
-  eager (delayed, own pseudo-gradient applied at once): with identical replicas the own
-      pseudo-gradient is the average, so it is the synchronous recurrence.
+  eager with own share w (benchmarks/co2_study.py --eager --eager-weight w): the replicas
+      restart from s_{k+1} = X_k - alpha dir(beta m_k + w d_k) while the average moves the
+      committed (X, m) one round later; w = 1 with identical replicas is the synchronous
+      recurrence, w = 0 the delayed one, w = 1/W the Eager Updates paper's rule.
+
+The rho values come from the eigenvalues of each rule's one-round linear map (round_map), so
+no closed form is needed for the eager and Nesterov cases; for the first four rules they agree
+with the roots of the polynomials above.
 
 Prints, per rule and (alpha, beta): the largest a that is stable (a_max; the rule is stable for
 every direction iff alpha / lambda <= a_max, since r reaches ~1), the spectral radius rho at r = 1
@@ -33,39 +39,66 @@ import random
 import numpy as np
 
 
-def polynomial(rule: str, a: float, beta: float):
-    if rule == "sync-hb" or rule == "eager-hb":
-        return [1.0, -(1 + beta - a), beta]
-    if rule == "sync-nesterov" or rule == "eager-nesterov":
-        return [1.0, -(1 + beta - a - a * beta), beta * (1 - a)]
-    if rule == "delayed-hb":
-        return [1.0, -(1 + beta), beta + a]
-    if rule == "delayed-nesterov":
-        return [1.0, -(1 + beta), beta + a + a * beta, -a * beta]
-    raise ValueError(rule)
+def _direction(momentum: float, g: float, beta: float, nesterov: bool) -> float:
+    return g + beta * momentum if nesterov else momentum
 
 
-def spectral_radius(rule: str, a: float, beta: float):
-    roots = np.roots(polynomial(rule, a, beta))
-    dominant = max(roots, key=abs)
+def round_map(rule: str, a: float, beta: float, nesterov: bool, weight: float = 1.0):
+    """The linear map of one outer round on the rule's state, as a matrix (alpha folded into a = alpha r).
+
+    sync:    state (x, m);           d = r x
+    delayed: state (x_k, x_{k+1}, m); d = r x_k, replicas restart from x_{k+1} (DESIGN 3.5)
+    eager:   state (X, m, s);        d = r s, s' = X - alpha dir(beta m + w d), then m, X take d
+    """
+    def step(state):
+        if rule == "sync":
+            x, m = state
+            d = a * x  # alpha folded in: d here is alpha * r * x
+            m2 = beta * m + d
+            return [x - _direction(m2, d, beta, nesterov), m2]
+        if rule == "delayed":
+            x_old, x, m = state
+            d = a * x_old
+            m2 = beta * m + d
+            return [x, x - _direction(m2, d, beta, nesterov), m2]
+        if rule == "eager":
+            x, m, start = state
+            d = a * start
+            peek = beta * m + weight * d
+            new_start = x - _direction(peek, weight * d, beta, nesterov)
+            m2 = beta * m + d
+            return [x - _direction(m2, d, beta, nesterov), m2, new_start]
+        raise ValueError(rule)
+
+    size = 2 if rule == "sync" else 3
+    columns = []
+    for j in range(size):
+        unit = [0.0] * size
+        unit[j] = 1.0
+        columns.append(step(unit))
+    return np.array(columns).T
+
+
+def spectral_radius(rule: str, a: float, beta: float, nesterov: bool = False, weight: float = 1.0):
+    eigenvalues = np.linalg.eigvals(round_map(rule, a, beta, nesterov, weight))
+    dominant = max(eigenvalues, key=abs)
     angle = abs(cmath.phase(dominant))
-    period = 2 * math.pi / angle if angle > 1e-9 else math.inf
+    period = 2 * math.pi / angle if angle > 1e-9 and abs(dominant) > 1e-9 else math.inf
     return float(abs(dominant)), period
 
 
-def largest_stable_a(rule: str, beta: float, upper: float = 8.0) -> float:
+def largest_stable_a(rule: str, beta: float, nesterov: bool = False, weight: float = 1.0, upper: float = 8.0) -> float:
     """Largest a in (0, upper] with spectral radius < 1 for every a' in (0, a] (grid + bisection)."""
-    grid = np.linspace(1e-4, upper, 8001)
+    def stable(a):
+        return spectral_radius(rule, a, beta, nesterov, weight)[0] < 1.0 - 1e-9
+    grid = np.linspace(1e-4, upper, 4001)
     last = 0.0
     for a in grid:
-        if spectral_radius(rule, a, beta)[0] >= 1.0 - 1e-12:
+        if not stable(a):
             lo, hi = last, a
-            for _ in range(60):
+            for _ in range(50):
                 mid = 0.5 * (lo + hi)
-                if spectral_radius(rule, mid, beta)[0] < 1.0 - 1e-12:
-                    lo = mid
-                else:
-                    hi = mid
+                lo, hi = (mid, hi) if stable(mid) else (lo, mid)
             return lo
         last = a
     return upper
@@ -96,29 +129,33 @@ def adaptive_penalty_iteration(alpha: float, beta: float, r: float, noise: float
 def main(argv=None):
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     settings = [
-        ("delayed-hb", 1.0, 0.5, "DESIGN 3.5 defaults (CO2)"),
-        ("delayed-hb", 1.0, 0.0, "Local SGD one round late"),
-        ("delayed-hb", 0.7, 0.2, ""),
-        ("delayed-hb", 0.5, 0.0, ""),
-        ("delayed-hb", 0.5, 0.5, ""),
-        ("delayed-nesterov", 0.7, 0.9, "DiLoCo's outer optimizer, one round late"),
-        ("delayed-nesterov", 0.5, 0.5, ""),
-        ("sync-hb", 1.0, 0.0, "synchronous Local SGD"),
-        ("sync-hb", 1.0, 0.5, ""),
-        ("sync-nesterov", 0.7, 0.9, "DiLoCo (synchronous)"),
-        ("eager-hb", 1.0, 0.0, "eager, = synchronous for identical replicas"),
-        ("eager-hb", 1.0, 0.5, ""),
-        ("eager-nesterov", 0.7, 0.9, ""),
+        # rule, alpha, beta, nesterov, eager weight, note
+        ("delayed", 1.0, 0.5, False, 1.0, "DESIGN 3.5 defaults (CO2)"),
+        ("delayed", 1.0, 0.0, False, 1.0, "Local SGD one round late"),
+        ("delayed", 0.7, 0.2, False, 1.0, ""),
+        ("delayed", 0.5, 0.0, False, 1.0, ""),
+        ("delayed", 0.5, 0.5, False, 1.0, ""),
+        ("delayed", 0.7, 0.9, True, 1.0, "DiLoCo's outer optimizer, one round late"),
+        ("sync", 1.0, 0.0, False, 1.0, "synchronous Local SGD"),
+        ("sync", 1.0, 0.5, False, 1.0, "the public CO2 reference (its outer step is synchronous)"),
+        ("sync", 0.7, 0.9, True, 1.0, "DiLoCo (synchronous)"),
+        ("eager", 1.0, 0.0, False, 1.0, "eager, own pseudo-gradient in full"),
+        ("eager", 1.0, 0.0, False, 0.5, "eager, own share 1/W (W = 2)"),
+        ("eager", 1.0, 0.5, False, 0.5, ""),
+        ("eager", 0.7, 0.9, True, 1.0, ""),
+        ("eager", 0.7, 0.9, True, 0.5, ""),
     ]
-    print("| rule | alpha | beta | a_max (stable iff alpha/lambda <= a_max) | rho at r=1, lambda=1 | period (rounds) | rho at r=0.5 | rho at r=0.1 | note |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for rule, alpha, beta, note in settings:
-        a_max = largest_stable_a(rule, beta)
-        rho, period = spectral_radius(rule, alpha, beta)
-        rho_half, _ = spectral_radius(rule, 0.5 * alpha, beta)
-        rho_tenth, _ = spectral_radius(rule, 0.1 * alpha, beta)
-        print(f"| {rule} | {alpha:g} | {beta:g} | {a_max:.3f} | {rho:.3f} | "
-              f"{'-' if math.isinf(period) else f'{period:.1f}'} | {rho_half:.3f} | {rho_tenth:.3f} | {note} |")
+    print("| rule | alpha | beta | Nesterov | eager share w | a_max (stable iff alpha r / lambda < a_max) | "
+          "rho at r=1, lambda=1 | period (rounds) | rho at r=0.5 | rho at r=0.1 | note |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    for rule, alpha, beta, nesterov, weight, note in settings:
+        a_max = largest_stable_a(rule, beta, nesterov, weight)
+        rho, period = spectral_radius(rule, alpha, beta, nesterov, weight)
+        rho_half, _ = spectral_radius(rule, 0.5 * alpha, beta, nesterov, weight)
+        rho_tenth, _ = spectral_radius(rule, 0.1 * alpha, beta, nesterov, weight)
+        print(f"| {rule} | {alpha:g} | {beta:g} | {'yes' if nesterov else 'no'} | "
+              f"{weight:g} | {a_max:.3f} | {rho:.3f} | {'-' if math.isinf(period) else f'{period:.1f}'} | "
+              f"{rho_half:.3f} | {rho_tenth:.3f} | {note} |")
 
     print("\nThe adaptive gap penalty (DESIGN 3.5, alpha 1, beta 0.5) on a 64-direction quadratic, "
           "2 replicas, every direction resolved to r per round; ||e|| after rounds 5, 10, 20, 40 "

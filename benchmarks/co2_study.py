@@ -17,9 +17,13 @@ Methods (``--method``):
   anchor *one round late*: x_{k+2} = x_{k+1} - alpha * step, replicas restart from x_{k+1};
   ``--delay 0`` (synchronous Local SGD / DiLoCo): x_{k+1} = x_k - alpha * step, replicas restart
   from x_{k+1};
-  ``--eager`` (with delay 1): replica i restarts round k+1 from the committed anchor moved by
-  its *own* pseudo-gradient, s^i_{k+1} = x_k - alpha * step(d^i_k); the average of round k
-  replaces the replica's own contribution when it arrives, at boundary k+1.
+  ``--eager`` (with delay 1): replica i restarts round k+1 from the committed anchor X_k (every
+  average that has arrived: rounds < k) moved by a share w (``--eager-weight``) of its *own*
+  pseudo-gradient, s^i_{k+1} = X_k - alpha * step(w d^i_k) with the committed momentum left
+  unchanged (d^i_k = s^i_k - y^i_k, from where the replica began); the average of round k moves
+  the committed anchor, X_{k+1} = X_k - alpha * step(mean_i d^i_k), when it arrives at
+  boundary k+1. w = 1/W is the rule of "Eager Updates for Overlapped Communication and
+  Computation in DiLoCo" (arXiv 2502.12996) for an SGD outer optimizer.
 
   with step = m_{k+1} (heavy ball) or d/lambda + beta * m_{k+1} (``--nesterov``), where
   m_{k+1} = clamp(beta * m_k + d / lambda, -c, c); ``--gap-penalty`` lambda is a number or
@@ -80,6 +84,13 @@ def parse_args(argv=None):
     g.add_argument("--lr-normalize", action="store_true")
     g.add_argument("--delay", type=int, choices=[0, 1], default=1)
     g.add_argument("--eager", action="store_true")
+    g.add_argument("--merge-after", type=int, default=0,
+                   help="(delay 1) do not restart the replicas at the boundary: J_k's anchor x_{k+1} arrives H "
+                        "inner steps into round k+1, and each replica then moves to x_{k+1} plus its own progress "
+                        "since the boundary (H = local steps is --eager with share 1)")
+    g.add_argument("--eager-weight", type=float, default=1.0,
+                   help="--eager: the share w of its own pseudo-gradient a replica applies at once (1: all of it; "
+                        "1/W: the Eager Updates paper's rule, the other replicas' shares arriving a round later)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="")
     p.add_argument("--quiet", action="store_true")
@@ -88,6 +99,10 @@ def parse_args(argv=None):
         args.gap_penalty = float(args.gap_penalty)
     if args.eager and args.delay != 1:
         p.error("--eager applies to the one-round delay (--delay 1)")
+    if args.merge_after and (args.eager or args.delay != 1 or args.merge_after > args.local_steps):
+        p.error("--merge-after H takes --delay 1, no --eager, and 1 <= H <= --local-steps")
+    if args.merge_after and args.gap_penalty == "adaptive":
+        p.error("--merge-after takes a constant --gap-penalty")
     if args.eager and args.gap_penalty == "adaptive":
         p.error("--eager takes a constant --gap-penalty")
     return args
@@ -231,6 +246,8 @@ def run(args) -> Dict:
     starts = [x0.clone() for _ in replicas]  # where each replica began the current round
     committed = x0.clone()  # what engine.committed_parameters() would give
     eager_anchor = x0.clone()  # --eager: X_k, the anchor with every average that has arrived
+    merge_anchor = x0.clone()  # --merge-after: x_k, the newest anchor computed
+    pending = None  # --merge-after: (x_{k+1}, the replicas' y_k) until the merge
     rounds: List[Dict] = []
     evals: Dict[int, Dict] = {}
     round_lrs: List[float] = []
@@ -258,6 +275,12 @@ def run(args) -> Dict:
         losses = [r.inner_step(lr) for r in replicas]
         round_lrs.append(lr)
         round_losses.append(sum(losses) / len(losses))
+        if pending is not None and (update + 1) % args.local_steps == args.merge_after % args.local_steps:
+            # J_{k}'s anchor arrives: keep the progress made since boundary k on top of it.
+            x_next, ends = pending
+            for r, y in zip(replicas, ends):
+                r.load(x_next + (r.flat() - y))
+            pending = None
         if outer and (update + 1) % args.local_steps == 0:
             k = len(rounds)
             ys = [r.flat() for r in replicas]
@@ -267,7 +290,17 @@ def run(args) -> Dict:
             spread = norm(ys[0] - ys[1]) if len(ys) > 1 else 0.0
             info = dict(round=k, update=update + 1, lr=lr_scale, train_loss=sum(round_losses) / len(round_losses),
                         max_displacement=max(displacements), spread=spread)
-            if args.delay == 1 and not args.eager:
+            if args.merge_after:
+                # d_k = x_k - ybar_k: every replica's round is tau steps of its own progress on top of x_k.
+                x_k = merge_anchor
+                d = x_k - ybar
+                penalty = args.gap_penalty
+                step = rule.step(d, penalty, lr_scale)
+                merge_anchor = x_k - step
+                pending = (merge_anchor, ys)
+                new_starts = None
+                committed = merge_anchor
+            elif args.delay == 1 and not args.eager:
                 x_k, x_next = anchors[k], anchors[k + 1]
                 d = x_k - ybar
                 if args.gap_penalty == "adaptive":
@@ -286,7 +319,8 @@ def run(args) -> Dict:
                 penalty = args.gap_penalty
                 # X_k, the anchor with the averages of rounds < k (J_{k-1} has just finished), and
                 # the momentum M_k: each replica moves it by its own d^i_k at once ...
-                new_starts = [eager_anchor - rule.step(di, penalty, lr_scale, commit=False) for di in ds]
+                new_starts = [eager_anchor - rule.step(args.eager_weight * di, penalty, lr_scale, commit=False)
+                              for di in ds]
                 # ... while J_k averages round k: X_{k+1}, M_{k+1}, installed at boundary k+1.
                 step = rule.step(d, penalty, lr_scale)
                 eager_anchor = eager_anchor - step
@@ -307,9 +341,12 @@ def run(args) -> Dict:
                 info["val_ybar"] = evaluator(ybar, args.round_val_windows)
             if update + 1 in to_eval:
                 record_eval(update + 1, ys)
-            for r, s in zip(replicas, new_starts):
-                r.load(s)
-            starts = [s.clone() for s in new_starts]
+            if new_starts is not None:
+                for r, s in zip(replicas, new_starts):
+                    r.load(s)
+                starts = [s.clone() for s in new_starts]
+            else:
+                starts = ys
             # Keep only the anchors still needed (x_{k+1}, x_{k+2}).
             for key in [key for key in anchors if key < max(anchors) - 1]:
                 del anchors[key]
