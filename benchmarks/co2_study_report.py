@@ -17,11 +17,26 @@ from collections import defaultdict
 
 
 def load(dirs):
+    """``NAME.json`` results, and for a run still going (or stopped) the evaluations its
+    ``NAME.log`` has printed so far (marked partial)."""
     runs = {}
     for d in dirs:
         for path in sorted(glob.glob(os.path.join(d, "*.json"))):
             with open(path) as f:
                 runs[os.path.splitext(os.path.basename(path))[0]] = json.load(f)
+        for path in sorted(glob.glob(os.path.join(d, "*.log"))):
+            name = os.path.splitext(os.path.basename(path))[0]
+            if name in runs:
+                continue
+            evals = {}
+            with open(path) as f:
+                for line in f:
+                    m = re.match(r"eval @(\d+): (.*)  \(", line)
+                    if m:
+                        evals[m.group(1)] = {k: float(v) for k, v in
+                                             (item.split(" ") for item in m.group(2).split(", "))}
+            seed = re.search(r"\.s(\d+)$", name)
+            runs[name] = {"evals": evals, "partial": True, "args": {"seed": int(seed.group(1)) if seed else 0}}
     return runs
 
 
@@ -52,8 +67,8 @@ def main(argv=None):
     for name, run in runs.items():
         base, seed = split(name)
         groups[base][seed if seed is not None else run["args"]["seed"]] = run
-    any_run = next(iter(runs.values()))
-    updates = sorted(int(u) for u in any_run["evals"])
+    full = [r for r in runs.values() if not r.get("partial")] or list(runs.values())
+    updates = sorted({int(u) for r in full for u in r["evals"]})
     at = [int(u) for u in args.at.split(",")] if args.at else updates[1:]
     last = updates[-1]
     ref, lone = groups.get(args.reference, {}), groups.get(args.lone, {})
@@ -63,12 +78,15 @@ def main(argv=None):
     print("|" + "---|" * len(header))
     for base in sorted(groups):
         seeds = groups[base]
-        cells = [base, ",".join(str(s) for s in sorted(seeds))]
+        partial = [s for s, r in seeds.items() if r.get("partial")]
+        cells = [base + (" (partial: up to update " + ",".join(
+            str(max((int(u) for u in seeds[s]["evals"]), default=0)) for s in partial) + ")" if partial else ""),
+                 ",".join(str(s) for s in sorted(seeds))]
         for u in at:
             cells.append(fmt([r["evals"][str(u)].get(args.key, r["evals"][str(u)]["committed"])
                               for r in seeds.values() if str(u) in r["evals"]]))
         gaps = [seeds[s]["evals"][str(last)]["committed"] / ref[s]["evals"][str(last)]["committed"] - 1
-                for s in seeds if s in ref and str(last) in seeds[s]["evals"]]
+                for s in seeds if s in ref and str(last) in seeds[s]["evals"] and str(last) in ref[s]["evals"]]
         cells.append("-" if not gaps else (f"{100 * sum(gaps) / len(gaps):+.1f}%" + (
             f" [{100 * min(gaps):+.1f}, {100 * max(gaps):+.1f}]" if len(gaps) > 1 else "")))
         monotone = []
@@ -77,10 +95,12 @@ def main(argv=None):
             values = [r["evals"][str(u)]["committed"] for u in updates if str(u) in r["evals"]]
             monotone.append(all(b < a for a, b in zip(values, values[1:])))
             if s in lone:
-                worse.append(sum(r["evals"][str(u)]["committed"] > lone[s]["evals"][str(u)]["committed"]
-                                 for u in updates[1:] if str(u) in r["evals"] and str(u) in lone[s]["evals"]))
+                worse.append([u for u in updates[1:] if str(u) in r["evals"] and str(u) in lone[s]["evals"]
+                              and r["evals"][str(u)]["committed"] > lone[s]["evals"][str(u)]["committed"]])
         cells.append(f"{sum(monotone)}/{len(monotone)}")
-        cells.append("-" if not worse else "/".join(str(w) for w in worse) + f" of {len(updates) - 1}")
+        cells.append("-" if not worse else "; ".join(
+            f"{len(w)} of {len(updates) - 1}" + (f" ({','.join(map(str, w))})" if 0 < len(w) <= 4 else "")
+            for w in worse))
         print("| " + " | ".join(cells) + " |")
 
 
