@@ -1,8 +1,30 @@
 """deepspeed-acco: communication-overlapped sharded optimizers (ACCO, DPU, CO2) for DeepSpeed."""
 import os
+import shutil
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL_SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
+
+
+class BuildPyWithKernelSources(build_py):
+    """Copies csrc/ into the built package as deepspeed_acco/_csrc, so that an installed wheel can
+    JIT-build the fused kernels (DeepSpeed ships its csrc/ inside its package the same way)."""
+
+    def run(self):
+        super().run()
+        source_root = os.path.join(HERE, "csrc")
+        target_root = os.path.join(self.build_lib, "deepspeed_acco", "_csrc")
+        for directory, _, files in os.walk(source_root):
+            for name in files:
+                if name.endswith(KERNEL_SOURCE_SUFFIXES):
+                    relative = os.path.relpath(os.path.join(directory, name), source_root)
+                    destination = os.path.join(target_root, relative)
+                    os.makedirs(os.path.dirname(destination), exist_ok=True)
+                    shutil.copyfile(os.path.join(directory, name), destination)
 
 
 def acco_ops_extensions():
@@ -38,13 +60,14 @@ def acco_ops_extensions():
 
 
 ext_modules, cmdclass = acco_ops_extensions()
+cmdclass["build_py"] = BuildPyWithKernelSources
 
 setup(
     name="deepspeed-acco",
     version="0.1.0",
     description="Communication-overlapped ZeRO-1 optimizers (ACCO, DPU, CO2) as a DeepSpeed extension",
     packages=find_packages(include=["deepspeed_acco", "deepspeed_acco.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # dataclass(kw_only=True)
     install_requires=[
         "torch>=2.1",
         "deepspeed>=0.14",
@@ -52,7 +75,7 @@ setup(
     ],
     extras_require={
         "bench": ["transformers>=4.40", "matplotlib", "tqdm"],
-        "test": ["pytest", "transformers>=4.40", "matplotlib", "tqdm", "ninja"],
+        "test": ["pytest", "transformers>=4.40", "accelerate>=1.15", "matplotlib", "tqdm", "ninja"],
     },
     entry_points={"console_scripts": ["deepspeed-acco-bench=deepspeed_acco.bench:main"]},
     ext_modules=ext_modules,

@@ -4,17 +4,28 @@ For each flat-shard size, times (median ms per call over interleaved rounds) and
 effective bandwidth (nominal bytes moved / time) of:
 
 * ``copy``: ``dst.copy_(src)`` in fp32, the bandwidth roofline measured in the same run;
-* deepspeed-acco's ``adamw_step`` (alone, with a bf16 output) and ``adamw_peek`` (fp32, bf16 out);
+* deepspeed-acco's ``adamw_step`` (alone, with a bf16 output) and ``adamw_peek`` (fp32, bf16 out),
+  and both as the engine's jobs call them (device-side control tensor, bf16 out);
 * ``torch.optim.AdamW`` fused and foreach, and fused followed by a separate bf16 cast-copy;
 * DeepSpeed's ``DeepSpeedCPUAdam`` (CPU only);
 * the ACCO reference's estimate: clone parameters and moments, step, copy out, restore
   (with fresh clones as it does, and with preallocated backups);
 
-then checks the targets of the kernels issue (docs/kernels.md). Nominal bytes per parameter:
+and the block-quantisation kernels of compressed communication (issue 15, block 128):
+
+* ``quantize`` with error feedback into the send buffer, int8 and int4 (read the input and the
+  residual, write the residual, the codes and the scales: 12 + 1 + 4/128 bytes per value for
+  int8, 12 + 0.5 + 4/128 for int4), and ``quantize_delta`` (fp32 target, bf16 held copy);
+* ``dequantize_sum``, the owner's side of the reduce-scatter: its own fp32 chunk plus the packed
+  chunks of 1 or 3 peers (4 + k * (1 + 4/128) + 4 bytes per value for int8);
+* ``apply_delta`` to a bf16 held copy, in place;
+
+then checks the targets of the kernels issues (docs/kernels.md). Nominal bytes per parameter:
 AdamW 28 (read theta, g, m, v; write theta, m, v), +2 or +4 for a bf16/fp32 output, Peek 16 + the
 output, copy 8. An estimate is credited with Peek's bytes, since it produces the same result.
 
     python benchmarks/kernels.py                       # CPU, 1M / 8M / 32M parameters
+    python benchmarks/kernels.py --only quant          # only the copy and the quantisation kernels
     python benchmarks/kernels.py --device cuda --sizes 128M,256M --strict
 """
 import argparse
@@ -31,6 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 GPU_COPY_FRACTION_TARGET = 0.85
+QUANT_BLOCK = 128
+# Issue 15: quantise + send-buffer packing (and the owner's dequantise-sum) at >= 80% of the copy
+# roofline on CPU.
+CPU_QUANT_COPY_FRACTION_TARGET = 0.80
+QUANT_TARGET_CASES = ("quantize + pack, error feedback (int8)", "quantize + pack, error feedback (int4)",
+                      "dequantize_sum: own + 1 peer (int8)")
 
 
 def parse_size(text: str) -> int:
@@ -62,8 +79,58 @@ class Timer:
         return samples
 
 
-def make_cases(numel: int, device: str):
+def copy_case(numel: int, device: str):
+    src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    return {"copy (fp32, roofline)": (lambda: dst.copy_(src), 8)}
+
+
+def quantization_cases(numel: int, device: str):
+    """name -> (callable, nominal bytes per value) for the compressed-communication kernels."""
+    from deepspeed_acco import ops
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    values = torch.randn(numel, generator=gen, device=device)
+    residual = torch.zeros(numel, device=device)
+    scale_bytes = 4 / QUANT_BLOCK
+    packed = {bits: torch.empty(1, ops.packed_bytes(numel, bits=bits, block_size=QUANT_BLOCK), dtype=torch.uint8,
+                                device=device) for bits in (8, 4)}
+    cases = {}
+    for bits in (8, 4):
+        cases[f"quantize + pack, error feedback (int{bits})"] = (
+            lambda bits=bits: ops.quantize(values, packed[bits], residual=residual, bits=bits, block_size=QUANT_BLOCK),
+            12 + bits / 8 + scale_bytes)
+    held = (values + 1e-3).to(torch.bfloat16)
+    cases["quantize_delta, bf16 held (int8)"] = (
+        lambda: ops.quantize_delta(values, held, packed[8], bits=8, block_size=QUANT_BLOCK), 4 + 2 + 1 + scale_bytes)
+    out = torch.empty(numel, device=device)
+    for bits, peers in ((8, 1), (8, 3), (4, 1)):
+        ops.quantize(values, packed[bits], bits=bits, block_size=QUANT_BLOCK)
+        received = packed[bits].expand(peers, -1).contiguous()  # what the peers sent
+        cases[f"dequantize_sum: own + {peers} peer{'s' if peers > 1 else ''} (int{bits})"] = (
+            lambda received=received, bits=bits: ops.dequantize_sum(received, out, base=values, bits=bits,
+                                                                     block_size=QUANT_BLOCK),
+            8 + peers * (bits / 8 + scale_bytes))
+    delta = torch.empty(1, ops.packed_bytes(numel, bits=8, block_size=QUANT_BLOCK), dtype=torch.uint8, device=device)
+    ops.quantize_delta(values, held, delta, bits=8, block_size=QUANT_BLOCK)
+    applied = held.clone()
+    # Applying the same delta over and over keeps the values (and the timing) realistic enough.
+    cases["apply_delta, bf16 held in place (int8)"] = (
+        lambda: ops.apply_delta(delta, applied, bits=8, block_size=QUANT_BLOCK), 2 + 1 + scale_bytes + 2)
+    return cases
+
+
+def make_cases(numel: int, device: str, only: str = "all"):
     """name -> (callable, nominal bytes per parameter). Every case owns its tensors."""
+    cases = copy_case(numel, device)
+    if only in ("all", "update"):
+        cases.update(update_cases(numel, device))
+    if only in ("all", "quant"):
+        cases.update(quantization_cases(numel, device))
+    return cases
+
+
+def update_cases(numel: int, device: str):
+    """name -> (callable, nominal bytes per parameter) for the fused update rules and their rivals."""
     from deepspeed_acco import ops
 
     def state():
@@ -73,9 +140,6 @@ def make_cases(numel: int, device: str):
         return param, grad, torch.zeros(numel, device=device), torch.zeros(numel, device=device)
 
     cases = {}
-    src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
-    cases["copy (fp32, roofline)"] = (lambda: dst.copy_(src), 8)
-
     p, g, m, v = state()
     step_counter = {"adamw_step": 0}
 
@@ -91,6 +155,17 @@ def make_cases(numel: int, device: str):
         lambda: ops.adamw_peek(p, g, m, v, step=10, out=out_f32, **HYPER), 20)
     cases["acco adamw_peek (bf16 out)"] = (
         lambda: ops.adamw_peek(p, g, m, v, step=10, out=out_bf16, **HYPER), 18)
+    # What the engine's jobs call: the gradient multiplier and skip flag in a device-side control
+    # tensor (read by every thread, never by the host).
+    control = ops.make_control(torch.tensor(0.5, device=device), torch.tensor(False, device=device))
+
+    def acco_step_controlled(out=None):
+        step_counter["adamw_step"] += 1
+        ops.adamw_step(p, g, m, v, step=step_counter["adamw_step"], out=out, control=control, **HYPER)
+
+    cases["acco adamw_step (control) + bf16 out"] = (lambda: acco_step_controlled(out_bf16), 30)
+    cases["acco adamw_peek (control, bf16 out)"] = (
+        lambda: ops.adamw_peek(p, g, m, v, step=10, out=out_bf16, control=control, **HYPER), 18)
 
     def torch_adamw(**kwargs):
         param, grad, _, _ = state()
@@ -164,8 +239,8 @@ def deepspeed_cpu_adam_case(state):
         return (None, f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
 
 
-def run_size(numel: int, device: str, rounds: int, min_iters: int, min_time_s: float):
-    cases = make_cases(numel, device)
+def run_size(numel: int, device: str, rounds: int, min_iters: int, min_time_s: float, only: str = "all"):
+    cases = make_cases(numel, device, only)
     timer = Timer(device)
     samples = {name: [] for name in cases}
     runnable = {name: fn for name, (fn, _) in cases.items() if fn is not None}
@@ -202,6 +277,30 @@ def check_targets(results_by_size, device: str):
 
 
 def _cpu_targets(label, results):
+    checks = _quant_targets(label, results, CPU_QUANT_COPY_FRACTION_TARGET)
+    if "acco adamw_step" not in results:
+        return checks
+    return _cpu_update_targets(label, results) + checks
+
+
+def _copy_fraction(results, name, key):
+    """Effective bandwidth of ``name`` as a fraction of the copy's, from times ``key`` (ms or min_ms)."""
+    copy = results["copy (fp32, roofline)"]
+    return (copy[key] / copy["bytes_per_param"]) / (results[name][key] / results[name]["bytes_per_param"])
+
+
+def _quant_targets(label, results, target):
+    checks = []
+    for name in QUANT_TARGET_CASES:
+        if name not in results:
+            continue
+        on_median, on_min = _copy_fraction(results, name, "ms"), _copy_fraction(results, name, "min_ms")
+        checks.append((f"{name} >= {target:.0%} of copy GB/s", label, f"{on_median:.1%}", f"{on_min:.1%}",
+                       on_median >= target))
+    return checks
+
+
+def _cpu_update_targets(label, results):
 
     def evaluate(key):
         def t(name):
@@ -226,7 +325,9 @@ def _cpu_targets(label, results):
 
 def _gpu_targets(label, results):
     checks = []
-    for name in ("acco adamw_step", "acco adamw_peek (fp32 out)"):
+    for name in ("acco adamw_step", "acco adamw_peek (fp32 out)", "acco adamw_step (control) + bf16 out"):
+        if name not in results:
+            continue
         fractions = []
         for key in ("ms", "min_ms"):
             copy_time = results["copy (fp32, roofline)"][key] / results["copy (fp32, roofline)"]["bytes_per_param"]
@@ -244,7 +345,7 @@ def format_table(label, numel, results):
         if "error" in r:
             lines.append(f"| {name} | {r['error']} | | | | |")
         else:
-            lines.append(f"| {name} | {r['ms']:.3f} | {r['min_ms']:.3f} | {r['bytes_per_param']} | {r['gb_s']:.1f} | "
+            lines.append(f"| {name} | {r['ms']:.3f} | {r['min_ms']:.3f} | {r['bytes_per_param']:.4g} | {r['gb_s']:.1f} | "
                          f"{r['gb_s'] / copy['gb_s']:.0%} |")
     return "\n".join(lines)
 
@@ -259,6 +360,8 @@ def main(argv=None):
     parser.add_argument("--min-time-s", type=float, default=0.25, help="time per case and round, at least")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    parser.add_argument("--only", choices=("all", "update", "quant"), default="all",
+                        help="benchmark only the update rules or only the quantisation kernels (plus the copy)")
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -282,7 +385,7 @@ def main(argv=None):
     results_by_size = {}
     for numel in sizes:
         label = f"{numel / (1 << 20):g}M"
-        results_by_size[label] = run_size(numel, args.device, args.rounds, args.min_iters, args.min_time_s)
+        results_by_size[label] = run_size(numel, args.device, args.rounds, args.min_iters, args.min_time_s, args.only)
         print(format_table(label, numel, results_by_size[label]), flush=True)
 
     checks = check_targets(results_by_size, args.device)

@@ -1,81 +1,31 @@
-"""Configuration of our optimizer types, read from a standard DeepSpeed JSON config (DESIGN 2).
+"""The DeepSpeed JSON config as our engine reads it (docs/design.md, section 2).
 
-Every user mistake in a key we own raises ``ValueError`` naming the key and the fix, before any
-collective runs. The dataclasses here are the single source of truth for names and defaults.
+The optimizer section selects a registered type (:mod:`deepspeed_acco.runtime.optimizers`), whose
+params dataclass parses ``optimizer.params``. The other keys keep DeepSpeed's meaning. A key that
+would change what a DeepSpeed user expects is either implemented here or rejected with a
+``ValueError`` naming it and the fix; keys that only tune DeepSpeed's own machinery are accepted;
+an unknown key gets a warning naming the closest known one. Everything is checked before any
+collective runs.
 """
 import copy
+import difflib
 import json
-import math
+import logging
 import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-ShardedAdamW = "ShardedAdamW"
-DPU = "DPU"
-ACCO = "ACCO"
-CO2 = "CO2"
-OPTIMIZER_TYPES = (ShardedAdamW, DPU, ACCO, CO2)
-_CANONICAL_TYPE = {name.lower(): name for name in OPTIMIZER_TYPES}
+import torch
 
-DEFAULT_COMMUNICATION_TIMEOUT_S = 300.0
+from .runtime.compression import CompressionConfig, QuantizationFormat
+from .runtime.optimizers import lookup, type_names
+from .runtime.optimizers.params import boolean, config_error, integer, number, parse_params
 
+logger = logging.getLogger("DeepSpeed").getChild("acco")
 
-@dataclass(kw_only=True)
-class AdamWConfig:
-    """AdamW hyperparameters and pipeline switches shared by every type (``torch.optim.AdamW`` defaults)."""
-
-    lr: float = 1e-3
-    """Learning rate (the scheduler, if any, overrides it per update)."""
-    betas: Tuple[float, float] = (0.9, 0.999)
-    """(beta1, beta2): decay rates of the first and second moment estimates."""
-    eps: float = 1e-8
-    """Term added to the denominator for numerical stability."""
-    weight_decay: float = 1e-2
-    """Decoupled weight decay coefficient."""
-    overlap: bool = True
-    """Run communication jobs on the side stream/worker while the model computes. ``False`` runs each
-    job synchronously with identical math (for debugging and tests)."""
-    communication_timeout_s: float = DEFAULT_COMMUNICATION_TIMEOUT_S
-    """How long a collective may take before the job fails with a message naming it (dead peers)."""
-
-
-@dataclass(kw_only=True)
-class ShardedAdamWConfig(AdamWConfig):
-    """Synchronous ZeRO-1 AdamW (DESIGN 3.1)."""
-
-
-@dataclass(kw_only=True)
-class DPUConfig(AdamWConfig):
-    """Delayed parameter update: one-step stale gradients (DESIGN 3.2)."""
-
-
-@dataclass(kw_only=True)
-class ACCOConfig(AdamWConfig):
-    """Accumulate while you communicate (DESIGN 3.3, 3.4)."""
-
-    dynamic_accumulation: bool = False
-    """Keep accumulating micro-batches until the running job is done instead of waiting for it."""
-
-
-@dataclass(kw_only=True)
-class CO2Config(AdamWConfig):
-    """Local AdamW steps with one-step asynchronous outer averaging (DESIGN 3.5)."""
-
-    local_steps: int = 12
-    """tau: inner steps per outer round."""
-    outer_lr: float = 1.0
-    """alpha_o: outer learning rate."""
-    outer_momentum: float = 0.5
-    """beta_o: outer momentum."""
-    gap_penalty: Union[float, str] = "adaptive"
-    """lambda: constant divisor of the pseudo-gradient, or "adaptive" (DESIGN 3.5)."""
-    clip_threshold: Optional[float] = None
-    """c: coordinate-wise clip of the outer momentum; None disables clipping."""
-    group_size: int = 1
-    """g: consecutive ranks that average gradients every inner step (ZeRO-1 inside the group)."""
-
-
-_CONFIG_CLASS = {ShardedAdamW: ShardedAdamWConfig, DPU: DPUConfig, ACCO: ACCOConfig, CO2: CO2Config}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+                "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 
 
 def load_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
@@ -99,91 +49,8 @@ def optimizer_type(config: Dict[str, Any]) -> Optional[str]:
     section = config.get("optimizer")
     if not isinstance(section, dict):
         return None
-    name = section.get("type")
-    if not isinstance(name, str):
-        return None
-    return _CANONICAL_TYPE.get(name.lower())
-
-
-def _fail(key: str, problem: str, fix: str) -> None:
-    raise ValueError(f"deepspeed_acco config: {key}: {problem}; {fix}")
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(key, f"expected a finite number, got {value!r}", "set it to a number")
-    return float(value)
-
-
-def _integer(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(key, f"expected an integer, got {value!r}", "set it to an integer")
-    return value
-
-
-def _boolean(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        _fail(key, f"expected true or false, got {value!r}", "set it to a JSON boolean")
-    return value
-
-
-def _parse_optimizer_params(kind: str, params: Dict[str, Any]):
-    cls = _CONFIG_CLASS[kind]
-    known = {f.name for f in fields(cls)}
-    prefix = "optimizer.params"
-    unknown = sorted(set(params) - known)
-    if unknown:
-        _fail(f"{prefix}.{unknown[0]}", f"unknown parameter for optimizer type {kind!r}",
-              f"remove it; {kind} accepts {sorted(known)}")
-    values: Dict[str, Any] = {}
-    for key, value in params.items():
-        full_key = f"{prefix}.{key}"
-        if key == "betas":
-            if not isinstance(value, (list, tuple)) or len(value) != 2:
-                _fail(full_key, f"expected a pair [beta1, beta2], got {value!r}", "set e.g. [0.9, 0.999]")
-            betas = tuple(_number(full_key, b) for b in value)
-            if not all(0.0 <= b < 1.0 for b in betas):
-                _fail(full_key, f"each beta must lie in [0, 1), got {list(betas)}", "use e.g. [0.9, 0.999]")
-            values[key] = betas
-        elif key in ("overlap", "dynamic_accumulation"):
-            values[key] = _boolean(full_key, value)
-        elif key in ("local_steps", "group_size"):
-            values[key] = _integer(full_key, value)
-        elif key == "gap_penalty":
-            if value != "adaptive":
-                value = _number(full_key, value)
-                if value <= 0:
-                    _fail(full_key, f"must be > 0 or \"adaptive\", got {value}",
-                          "use 1.0 for no penalty or \"adaptive\"")
-            values[key] = value
-        elif key == "clip_threshold":
-            if value is not None:
-                value = _number(full_key, value)
-                if value <= 0:
-                    _fail(full_key, f"must be > 0 or null, got {value}", "use a positive threshold or null to disable")
-            values[key] = value
-        else:
-            values[key] = _number(full_key, value)
-    parsed = cls(**values)
-    if parsed.lr <= 0:
-        _fail(f"{prefix}.lr", f"must be > 0, got {parsed.lr}", "set a positive learning rate, e.g. 1e-3")
-    if parsed.eps <= 0:
-        _fail(f"{prefix}.eps", f"must be > 0, got {parsed.eps}", "use e.g. 1e-8")
-    if parsed.weight_decay < 0:
-        _fail(f"{prefix}.weight_decay", f"must be >= 0, got {parsed.weight_decay}", "use 0 to disable weight decay")
-    if parsed.communication_timeout_s <= 0:
-        _fail(f"{prefix}.communication_timeout_s", f"must be > 0, got {parsed.communication_timeout_s}",
-              f"use e.g. {DEFAULT_COMMUNICATION_TIMEOUT_S}")
-    if isinstance(parsed, CO2Config):
-        if parsed.local_steps < 1:
-            _fail(f"{prefix}.local_steps", f"must be >= 1, got {parsed.local_steps}", "use e.g. 12")
-        if parsed.outer_lr <= 0:
-            _fail(f"{prefix}.outer_lr", f"must be > 0, got {parsed.outer_lr}", "use e.g. 1.0")
-        if not 0.0 <= parsed.outer_momentum < 1.0:
-            _fail(f"{prefix}.outer_momentum", f"must lie in [0, 1), got {parsed.outer_momentum}", "use e.g. 0.5")
-        if parsed.group_size < 1:
-            _fail(f"{prefix}.group_size", f"must be >= 1, got {parsed.group_size}", "use 1 (no groups)")
-    return parsed
+    schedule_class = lookup(section.get("type"))
+    return schedule_class.type_name if schedule_class is not None else None
 
 
 @dataclass(kw_only=True)
@@ -203,22 +70,22 @@ def resolve_batch_sizes(config: Dict[str, Any], data_parallel_size: int) -> Batc
     for key, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
                        ("gradient_accumulation_steps", accumulation)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            _fail(key, f"must be a positive integer, got {value!r}", "fix the value")
+            raise config_error(key, f"must be a positive integer, got {value!r}", "fix the value")
     if train is not None and micro is not None and accumulation is not None:
         if train != micro * accumulation * data_parallel_size:
-            _fail("train_batch_size", f"{train} != train_micro_batch_size_per_gpu ({micro}) * "
-                  f"gradient_accumulation_steps ({accumulation}) * data-parallel ranks ({data_parallel_size})",
-                  "make the three consistent or omit one of them")
+            raise config_error("train_batch_size", f"{train} != train_micro_batch_size_per_gpu ({micro}) * "
+                               f"gradient_accumulation_steps ({accumulation}) * data-parallel ranks "
+                               f"({data_parallel_size})", "make the three consistent or omit one of them")
     elif train is not None and micro is not None:
         accumulation, remainder = divmod(train, micro * data_parallel_size)
         if remainder or accumulation < 1:
-            _fail("train_batch_size", f"{train} is not a multiple of train_micro_batch_size_per_gpu ({micro}) * "
-                  f"data-parallel ranks ({data_parallel_size})", "adjust one of them")
+            raise config_error("train_batch_size", f"{train} is not a multiple of train_micro_batch_size_per_gpu "
+                               f"({micro}) * data-parallel ranks ({data_parallel_size})", "adjust one of them")
     elif train is not None and accumulation is not None:
         micro, remainder = divmod(train, accumulation * data_parallel_size)
         if remainder or micro < 1:
-            _fail("train_batch_size", f"{train} is not a multiple of gradient_accumulation_steps ({accumulation}) "
-                  f"* data-parallel ranks ({data_parallel_size})", "adjust one of them")
+            raise config_error("train_batch_size", f"{train} is not a multiple of gradient_accumulation_steps "
+                               f"({accumulation}) * data-parallel ranks ({data_parallel_size})", "adjust one of them")
     elif micro is not None:
         accumulation = accumulation or 1
         train = micro * accumulation * data_parallel_size
@@ -226,13 +93,11 @@ def resolve_batch_sizes(config: Dict[str, Any], data_parallel_size: int) -> Batc
         accumulation = 1
         micro, remainder = divmod(train, data_parallel_size)
         if remainder or micro < 1:
-            _fail("train_batch_size", f"{train} is not a multiple of the data-parallel ranks ({data_parallel_size})",
-                  "adjust it")
+            raise config_error("train_batch_size", f"{train} is not a multiple of the data-parallel ranks "
+                               f"({data_parallel_size})", "adjust it")
     else:
-        _fail("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is set",
-              "set at least one of them")
-    if train is None:
-        train = micro * accumulation * data_parallel_size
+        raise config_error("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is set",
+                           "set at least one of them")
     return BatchConfig(train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=accumulation)
 
 
@@ -245,93 +110,328 @@ def _deepspeed_default_gradient_clipping() -> float:
     return float(GRADIENT_CLIPPING_DEFAULT)
 
 
-_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
-                "float16": "fp16"}
-
-
 @dataclass(kw_only=True)
-class AccoConfig:
+class EngineConfig:
     """Everything our engine reads from a DeepSpeed config."""
 
     optimizer_type: str
-    optimizer: AdamWConfig
+    params: Any
+    """The type's parsed params dataclass."""
     batch: BatchConfig
     world_size: int
     precision: str = "fp32"
-    """Model/compute dtype: "fp32", "bf16" or "fp16" (master weights and moments are always fp32)."""
+    """Model/compute dtype: "fp32", "bf16" or "fp16" (master weights and optimizer state are always fp32)."""
     communication_dtype: str = "fp32"
     """dtype of the gradient reduce-scatter ("fp32" or "bf16"); the all-gather uses the model dtype."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Quantised reduce-scatter / all-gather (``zero_quantized_gradients`` / ``zero_quantized_weights``)."""
     gradient_clipping: float = 0.0
-    steps_per_print: int = 10
+    steps_per_print: Optional[int] = 10
+    """None: never print (Accelerate sets it to infinity)."""
     wall_clock_breakdown: bool = False
     fp16_loss_scale: Dict[str, Any] = field(default_factory=dict)
+    dataloader_drop_last: bool = False
     raw: Dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def model_torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.precision]
 
+    @property
+    def communication_torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.communication_dtype]
+
+
+# ---- top-level keys ------------------------------------------------------------------------------
 def _enabled(section: Any, key: str) -> bool:
     if section is None:
         return False
+    if isinstance(section, bool):
+        return section
     if not isinstance(section, dict):
-        _fail(key, f"expected an object like {{\"enabled\": true}}, got {section!r}", "fix the section")
-    return _boolean(f"{key}.enabled", section.get("enabled", False))
+        raise config_error(key, f"expected an object like {{\"enabled\": true}}, got {section!r}", "fix the section")
+    return boolean(f"{key}.enabled", section.get("enabled", False))
 
 
-def parse_config(config: Dict[str, Any], world_size: int) -> AccoConfig:
+def _reject_when(predicate: Callable[[Any], bool], fix: str):
+    """A rule for a DeepSpeed feature our engine does not implement: fine while off, an error when on."""
+    def check(key: str, value: Any) -> None:
+        if predicate(value):
+            raise config_error(key, f"{value!r} is not supported with deepspeed_acco's optimizer types", fix)
+    return check
+
+
+def _section_enabled(value: Any) -> bool:
+    return bool(value) if not isinstance(value, dict) else bool(value.get("enabled", False))
+
+
+def _truthy(value: Any) -> bool:
+    return bool(value)
+
+
+def _accept(key: str, value: Any) -> None:
+    """Keys that tune DeepSpeed's own machinery or the user's model code, not our optimizers' results."""
+
+
+_OFF = "remove it (or disable it) to use deepspeed_acco's optimizers"
+# key -> check(key, value); keys implemented by parse_config are listed with _accept and read there.
+TOP_LEVEL_KEYS: Dict[str, Callable[[str, Any], None]] = {
+    # implemented (read by parse_config)
+    **{key: _accept for key in (
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+        "optimizer", "scheduler", "bf16", "bfloat16", "fp16", "steps_per_print", "wall_clock_breakdown",
+        "zero_optimization", "communication_data_type", "tensorboard", "wandb", "csv_monitor", "comet",
+        "dataloader_drop_last", "data_types")},
+    # no effect on our optimizers' results: DeepSpeed-internal knobs, or read by the user's model code
+    **{key: _accept for key in (
+        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
+        "aio", "autotuning", "disable_python_gc", "log_level", "vocabulary_size", "legacy_fusion", "timers",
+        "use_node_local_storage", "checkpoint_config", "use_data_before_expert_parallelism",
+        "seq_parallel_communication_data_type")},
+    "checkpoint": lambda key, value: _check_checkpoint_section(key, value),
+    # DeepSpeed features that change training and that our engine does not implement
+    "torch_autocast": _reject_when(_section_enabled, "use \"bf16\" or \"fp16\" instead of torch_autocast"),
+    "data_efficiency": _reject_when(_section_enabled, _OFF),
+    "hybrid_engine": _reject_when(_section_enabled, _OFF),
+    "weight_quantization": _reject_when(_truthy, _OFF),
+    "compile": _reject_when(_section_enabled, "call torch.compile on your model before initialize instead"),
+    "pipeline": _reject_when(_truthy, "pipeline parallelism is not supported; remove the section"),
+    "tensor_parallel": _reject_when(lambda v: isinstance(v, dict) and any(
+        v.get(k, 1) not in (0, 1) for k in ("autotp_size", "tp_size")), "tensor parallelism is not supported; "
+        "remove the section (our optimizers are data-parallel only)"),
+    "gradient_allreduce_op": _reject_when(lambda v: str(v).lower() not in ("mean", "avg", "average"),
+                                          "set it to \"mean\": every update averages the micro-batches' gradients"),
+    "prescale_gradients": _reject_when(_truthy, "set it to false: our jobs average after the reduce-scatter, "
+                                       "in fp32 unless communication_data_type says otherwise"),
+    "gradient_predivide_factor": _reject_when(lambda v: v != 1.0, "set it to 1.0 (our jobs average after the "
+                                              "reduce-scatter)"),
+    "disable_allgather": _reject_when(_truthy, "set it to false"),
+    "sequence_parallel_size": _reject_when(lambda v: v != 1, "set it to 1: sequence parallelism is not supported"),
+    "expert_parallel": _reject_when(_section_enabled, "MoE expert parallelism is not supported; remove it"),
+    "flops_profiler": _reject_when(_section_enabled, "profile with torch.profiler instead: our communication "
+                                   "phases are labelled acco::reduce_scatter, acco::all_gather, ..."),
+    "comms_logger": _reject_when(_section_enabled, "profile with torch.profiler instead: every collective of "
+                                 "ours is labelled acco::<collective>"),
+    "memory_breakdown": _reject_when(_truthy, "set it to false (not reported by our engine)"),
+    "dump_state": _reject_when(_truthy, "set it to false (not reported by our engine)"),
+}
+
+# Keys that DeepSpeed itself knows; an unknown key outside this set and TOP_LEVEL_KEYS is warned
+# about with the closest match. Kept as data: the names DeepSpeed 0.19 reads at the top level.
+_OTHER_DEEPSPEED_KEYS = (
+    "zero_optimization_stage", "memory_efficient_linear", "monitor_config", "checkpoint_parallel_write_pipeline",
+    "random_ltd", "data_sampling", "managed_gradient_accumulation", "datastates_ckpt",
+)
+
+# Features DeepSpeed 0.19 removed and refuses at any value (its _REMOVED_TOP_LEVEL_CONFIG_KEYS):
+# a job that switches to our types must not start without the feature it asked for either.
+REMOVED_BY_DEEPSPEED = ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients",
+                        "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning",
+                        "progressive_layer_drop")
+REMOVED_ZERO_KEYS_BY_DEEPSPEED = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
+
+
+def _removed_keys():
+    """DeepSpeed's own tables of removed keys when it has them, else ours (the same in 0.19)."""
+    try:
+        from deepspeed.runtime import config as deepspeed_config
+        return (tuple(deepspeed_config._REMOVED_TOP_LEVEL_CONFIG_KEYS),
+                tuple(deepspeed_config._REMOVED_ZERO_CONFIG_KEYS))
+    except (ImportError, AttributeError):
+        return REMOVED_BY_DEEPSPEED, REMOVED_ZERO_KEYS_BY_DEEPSPEED
+
+_ZERO_ACCEPTED = {
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
+    "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size",
+    "round_robin_gradients", "ignore_unused_parameters", "legacy_stage1", "use_multi_rank_bucket_allreduce",
+    "memory_efficient_linear", "log_trace_cache_warnings", "pipeline_loading_checkpoint", "override_module_apply",
+    "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "offload_optimizer", "offload_param",
+    "zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+    "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather", "ratio",
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_use_all_reduce_for_fetch_params",
+    "stage3_module_granularity_threshold", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "prefetch_bucket_size", "param_persistence_threshold",
+    "model_persistence_threshold", "max_live_parameters", "max_reuse_distance", "zeropp_loco_param",
+    "log_trace_cache_warnings", "save_muon_momentum_buffer_in_memory",
+}
+
+
+def _check_checkpoint_section(key: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise config_error(key, f"expected an object, got {value!r}", "fix the section")
+    if value.get("load_universal"):
+        raise config_error(f"{key}.load_universal", "universal checkpoints are not supported",
+                           "remove it; our checkpoints re-shard across world sizes by themselves")
+
+
+def _closest(key: str, candidates) -> str:
+    matches = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else ""
+
+
+def check_top_level_keys(config: Dict[str, Any]) -> None:
+    """Reject unsupported features; warn about unknown keys, naming the closest known one."""
+    removed, removed_zero = _removed_keys()
+    for key in removed:
+        if key in config:
+            raise config_error(key, "DeepSpeed removed this feature and our optimizer types do not implement it",
+                               "remove the key from the config")
+    zero = config.get("zero_optimization")
+    for key in removed_zero:
+        if isinstance(zero, dict) and key in zero:
+            raise config_error(f"zero_optimization.{key}", "DeepSpeed removed this feature", "remove the key")
+    known = set(TOP_LEVEL_KEYS) | set(_OTHER_DEEPSPEED_KEYS)
+    for key, value in config.items():
+        check = TOP_LEVEL_KEYS.get(key)
+        if check is not None:
+            check(key, value)
+        elif key not in known:
+            closest = _closest(key, known)
+            hint = f"; did you mean {closest!r}?" if closest else ""
+            logger.warning("deepspeed_acco config: unknown top-level key %r is ignored%s", key, hint)
+
+
+def _parse_zero(zero: Any, kind: str) -> Tuple[bool, bool]:
+    """Check the section; return (zero_quantized_gradients, zero_quantized_weights)."""
+    if zero is None:
+        return False, False
+    if not isinstance(zero, dict):
+        raise config_error("zero_optimization", f"expected an object, got {zero!r}", "use {\"stage\": 1} or omit it")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1):
+        raise config_error("zero_optimization.stage", f"stage {stage!r} is not supported with optimizer type {kind}",
+                           "our optimizers shard optimizer states like ZeRO stage 1: set stage to 0 or 1 (or omit it)")
+    for offload_key in ("offload_optimizer", "offload_param"):
+        offload = zero.get(offload_key)
+        if isinstance(offload, dict) and offload.get("device", "none") not in (None, "none"):
+            raise config_error(f"zero_optimization.{offload_key}",
+                               f"offloading is not supported with optimizer type {kind}", "remove the offload section")
+    for flag in ("cpu_offload", "cpu_offload_params"):
+        if zero.get(flag):
+            raise config_error(f"zero_optimization.{flag}", f"offloading is not supported with optimizer type {kind}",
+                               "remove it")
+    if zero.get("zero_quantized_nontrainable_weights"):
+        raise config_error("zero_optimization.zero_quantized_nontrainable_weights",
+                           f"optimizer type {kind} never communicates frozen parameters (every rank holds them "
+                           "whole), so there is nothing to quantise", "remove it (or set it to false)")
+    if zero.get("zero_hpz_partition_size", 1) != 1:
+        raise config_error("zero_optimization.zero_hpz_partition_size", "hierarchical partitioning is not supported",
+                           "set it to 1 (CO2's group_size averages gradients inside a group of ranks instead)")
+    unknown = sorted(set(zero) - _ZERO_ACCEPTED)
+    for key in unknown:
+        closest = _closest(key, _ZERO_ACCEPTED)
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        logger.warning("deepspeed_acco config: unknown key zero_optimization.%s is ignored%s", key, hint)
+    return tuple(boolean(f"zero_optimization.{flag}", zero.get(flag, False))
+                 for flag in ("zero_quantized_gradients", "zero_quantized_weights"))
+
+
+_FORMAT_PARAMS = ("quantization_bits", "quantization_block_size")
+
+
+def _parse_compression(zero: Any, params: Any, raw_params: Dict[str, Any], communication_dtype: str,
+                       kind: str) -> CompressionConfig:
+    """ZeRO++'s switches with our format params (docs/design.md, 3.7)."""
+    gradients, weights = _parse_zero(zero, kind)
+    if not (gradients or weights):
+        for key in _FORMAT_PARAMS:
+            if key in raw_params:
+                raise config_error(f"optimizer.params.{key}", "sets the format of compressed communication, which is "
+                                   "off", "set zero_optimization.zero_quantized_gradients and/or "
+                                   "zero_quantized_weights to true, or remove it")
+        return CompressionConfig()
+    if gradients and communication_dtype != "fp32":
+        raise config_error("communication_data_type", f"{communication_dtype!r} with zero_optimization."
+                           "zero_quantized_gradients: the compressed reduce-scatter quantises fp32 gradient sums and "
+                           "adds what it receives in fp32", "set it to \"fp32\" or remove it (compression already "
+                           "moves int8 or int4 codes)")
+    return CompressionConfig(gradients=gradients, weights=weights,
+                             format=QuantizationFormat(bits=params.quantization_bits,
+                                                       block_size=params.quantization_block_size))
+
+
+def _parse_steps_per_print(value: Any) -> Optional[int]:
+    if value is None or (isinstance(value, float) and value == float("inf")):
+        return None  # never (Accelerate passes infinity)
+    value = integer("steps_per_print", value)
+    if value < 1:
+        raise config_error("steps_per_print", f"must be >= 1, got {value}", "use e.g. 10")
+    return value
+
+
+def _parse_fp16(section: Dict[str, Any]) -> Dict[str, Any]:
+    options = {
+        "loss_scale": number("fp16.loss_scale", section.get("loss_scale", 0)),
+        "initial_scale_power": integer("fp16.initial_scale_power", section.get("initial_scale_power", 16)),
+        "loss_scale_window": integer("fp16.loss_scale_window", section.get("loss_scale_window", 1000)),
+        "hysteresis": integer("fp16.hysteresis", section.get("hysteresis", 2)),
+        "min_loss_scale": number("fp16.min_loss_scale", section.get("min_loss_scale", 1)),
+    }
+    if options["loss_scale"] < 0:
+        raise config_error("fp16.loss_scale", "must be >= 0", "use 0 for dynamic loss scaling or a positive static scale")
+    if options["loss_scale_window"] < 1:
+        raise config_error("fp16.loss_scale_window", "must be >= 1", "use e.g. 1000")
+    if options["hysteresis"] < 1:
+        raise config_error("fp16.hysteresis", "must be >= 1", "use e.g. 2")
+    if section.get("auto_cast"):
+        raise config_error("fp16.auto_cast", "auto-casting inputs is not supported", "cast the inputs yourself")
+    if section.get("consecutive_hysteresis"):
+        raise config_error("fp16.consecutive_hysteresis", "refilling the hysteresis after every clean update is not "
+                           "implemented", "set it to false (DeepSpeed's default)")
+    if section.get("fp16_master_weights_and_grads"):
+        raise config_error("fp16.fp16_master_weights_and_grads", "our masters and optimizer state are always fp32",
+                           "set it to false")
+    _warn_unknown("fp16", section, _FP16_KEYS)
+    return options
+
+
+_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads", "loss_scale_profile"}
+_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+              "bf16_optimizer_states"}
+
+
+def _warn_unknown(section_name: str, section: Dict[str, Any], known) -> None:
+    for key in sorted(set(section) - set(known)):
+        closest = _closest(key, known)
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        logger.warning("deepspeed_acco config: unknown key %s.%s is ignored%s", section_name, key, hint)
+
+
+def _check_bf16(section: Any) -> None:
+    if not isinstance(section, dict):
+        return
+    for key in ("bf16_optimizer_states", "bf16_master_weights_and_grads"):
+        if section.get(key):
+            raise config_error(f"bf16.{key}", "our masters and optimizer state are always fp32", "set it to false")
+    _warn_unknown("bf16", section, _BF16_KEYS)
+
+
+def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
     """Validate a DeepSpeed config that selects one of our optimizer types; raise ValueError on mistakes."""
-    kind = optimizer_type(config)
-    if kind is None:
+    section = config.get("optimizer")
+    schedule_class = lookup(section.get("type")) if isinstance(section, dict) else None
+    if schedule_class is None:
         raise ValueError("deepspeed_acco config: optimizer.type: not one of ours "
-                         f"({', '.join(OPTIMIZER_TYPES)}); deepspeed_acco.initialize delegates other types to DeepSpeed")
-    section = config["optimizer"]
+                         f"({', '.join(type_names())}); other types are DeepSpeed's to build")
+    kind = schedule_class.type_name
     unknown_section_keys = sorted(set(section) - {"type", "params"})
     if unknown_section_keys:
-        _fail(f"optimizer.{unknown_section_keys[0]}", "unknown key", "keep only \"type\" and \"params\"")
-    params = section.get("params", {}) or {}
-    if not isinstance(params, dict):
-        _fail("optimizer.params", f"expected an object, got {params!r}", "give the parameters as a JSON object")
-    optimizer = _parse_optimizer_params(kind, params)
-
-    zero = config.get("zero_optimization")
-    if zero is not None:
-        if not isinstance(zero, dict):
-            _fail("zero_optimization", f"expected an object, got {zero!r}", "use {\"stage\": 1} or omit it")
-        stage = zero.get("stage", 0)
-        if stage not in (0, 1):
-            _fail("zero_optimization.stage", f"stage {stage!r} is not supported with optimizer type {kind}",
-                  "our optimizers shard optimizer states like ZeRO stage 1: set stage to 0 or 1 (or omit it)")
-        for offload_key in ("offload_optimizer", "offload_param"):
-            offload = zero.get(offload_key)
-            if isinstance(offload, dict) and offload.get("device", "none") not in (None, "none"):
-                _fail(f"zero_optimization.{offload_key}", f"offloading is not supported with optimizer type {kind}",
-                      "remove the offload section")
-
-    if isinstance(optimizer, CO2Config) and world_size % optimizer.group_size:
-        _fail("optimizer.params.group_size", f"{optimizer.group_size} does not divide the world size {world_size}",
-              "choose a divisor of the number of ranks")
+        raise config_error(f"optimizer.{unknown_section_keys[0]}", "unknown key", "keep only \"type\" and \"params\"")
+    check_top_level_keys(config)
+    params = parse_params(schedule_class.Params, section.get("params", {}) or {}, kind)
     batch = resolve_batch_sizes(config, world_size)
-    if isinstance(optimizer, ACCOConfig) and not optimizer.dynamic_accumulation \
-            and batch.gradient_accumulation_steps % 2:
-        _fail("gradient_accumulation_steps", f"ACCO splits each batch into two halves, so it must be even, got "
-              f"{batch.gradient_accumulation_steps}", "use an even number (e.g. halve train_micro_batch_size_per_gpu "
-              "and double gradient_accumulation_steps), or set optimizer.params.dynamic_accumulation to true")
+    schedule_class.validate_config(params, batch, world_size)
 
+    _check_bf16(config.get("bf16", config.get("bfloat16")))
     bf16 = _enabled(config.get("bf16", config.get("bfloat16")), "bf16")
     fp16 = _enabled(config.get("fp16"), "fp16")
     if bf16 and fp16:
-        _fail("fp16", "both fp16 and bf16 are enabled", "enable at most one of them")
+        raise config_error("fp16", "both fp16 and bf16 are enabled", "enable at most one of them")
     precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
-    fp16_loss_scale = {}
-    if fp16:
-        fp16_section = config["fp16"]
-        fp16_loss_scale = {
-            "loss_scale": _number("fp16.loss_scale", fp16_section.get("loss_scale", 0)),
-            "initial_scale_power": _integer("fp16.initial_scale_power", fp16_section.get("initial_scale_power", 16)),
-            "loss_scale_window": _integer("fp16.loss_scale_window", fp16_section.get("loss_scale_window", 1000)),
-            "hysteresis": _integer("fp16.hysteresis", fp16_section.get("hysteresis", 2)),
-            "min_loss_scale": _number("fp16.min_loss_scale", fp16_section.get("min_loss_scale", 1)),
-        }
-        if fp16_loss_scale["loss_scale"] < 0:
-            _fail("fp16.loss_scale", "must be >= 0", "use 0 for dynamic loss scaling or a positive static scale")
+    fp16_loss_scale = _parse_fp16(config["fp16"]) if fp16 else {}
 
     communication = config.get("communication_data_type")
     if communication is None:
@@ -339,19 +439,24 @@ def parse_config(config: Dict[str, Any], world_size: int) -> AccoConfig:
     else:
         communication_dtype = _DTYPE_NAMES.get(str(communication).lower())
         if communication_dtype not in ("fp32", "bf16"):
-            _fail("communication_data_type", f"{communication!r} is not supported by our optimizers",
-                  "use \"fp32\" or \"bf16\"")
+            raise config_error("communication_data_type", f"{communication!r} is not supported by our optimizers",
+                               "use \"fp32\" or \"bf16\"")
+    compression = _parse_compression(config.get("zero_optimization"), params, section.get("params", {}) or {},
+                                     communication_dtype, kind)
+    data_types = config.get("data_types") or {}
+    accumulation_dtype = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    if accumulation_dtype is not None and _DTYPE_NAMES.get(str(accumulation_dtype).lower()) != "fp32":
+        raise config_error("data_types.grad_accum_dtype", f"{accumulation_dtype!r}: our engine accumulates "
+                           "gradients in fp32", "set it to \"fp32\" or remove it")
 
-    clipping = _number("gradient_clipping", config.get("gradient_clipping", _deepspeed_default_gradient_clipping()))
+    clipping = number("gradient_clipping", config.get("gradient_clipping", _deepspeed_default_gradient_clipping()))
     if clipping < 0:
-        _fail("gradient_clipping", f"must be >= 0, got {clipping}", "use 0 to disable clipping")
-    steps_per_print = config.get("steps_per_print", 10)
-    if steps_per_print is not None:
-        steps_per_print = _integer("steps_per_print", steps_per_print)
-        if steps_per_print < 1:
-            _fail("steps_per_print", f"must be >= 1, got {steps_per_print}", "use e.g. 10")
-    wall_clock_breakdown = _boolean("wall_clock_breakdown", config.get("wall_clock_breakdown", False))
-    return AccoConfig(optimizer_type=kind, optimizer=optimizer, batch=batch, world_size=world_size,
-                      precision=precision, communication_dtype=communication_dtype, gradient_clipping=clipping,
-                      steps_per_print=steps_per_print or 10, wall_clock_breakdown=wall_clock_breakdown,
-                      fp16_loss_scale=fp16_loss_scale, raw=copy.deepcopy(config))
+        raise config_error("gradient_clipping", f"must be >= 0, got {clipping}", "use 0 to disable clipping")
+    return EngineConfig(optimizer_type=kind, params=params, batch=batch, world_size=world_size, precision=precision,
+                        communication_dtype=communication_dtype, compression=compression,
+                        gradient_clipping=clipping,
+                        steps_per_print=_parse_steps_per_print(config.get("steps_per_print", 10)),
+                        wall_clock_breakdown=boolean("wall_clock_breakdown", config.get("wall_clock_breakdown", False)),
+                        fp16_loss_scale=fp16_loss_scale,
+                        dataloader_drop_last=boolean("dataloader_drop_last", config.get("dataloader_drop_last", False)),
+                        raw=copy.deepcopy(config))

@@ -105,6 +105,10 @@ def main():
     # replica (CO2) in the model between updates; committed_parameters() swaps in the committed ones.
     committed = getattr(engine, "committed_parameters", contextlib.nullcontext)
 
+    initial = validation_loss(engine.module, windows)  # every engine holds the committed weights here
+    if rank == 0:
+        print(f"initial validation loss {initial:.4f}", flush=True)
+
     micro, done, losses, t0 = 0, 0, [], time.perf_counter()
     while done < args.steps:
         x = torch.from_numpy(sampler.micro_batch_at(micro)).to(device)

@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN 5): exact continuation, DeepSpeed interop, re-sharding, atomicity, consolidation."""
+"""Checkpoints (docs/design.md, 5): exact continuation, DeepSpeed interop, re-sharding, atomicity, consolidation."""
 import os
 import subprocess
 import sys
@@ -57,7 +57,11 @@ def _resume_worker(rank, world_size, directory, cases):
 
         engine, model = new_engine(config)
         feed(engine, rank, 0, save_at)
+        results[(name, "at-save")] = snapshot(engine, model)
         engine.save_checkpoint(directory, tag=name, client_state={"cursor": save_at})
+        module = torch.load(os.path.join(directory, name, "mp_rank_00_model_states.pt"), weights_only=False)["module"]
+        results[(name, "module-file")] = torch.cat([module[key].reshape(-1).float()
+                                                    for key, p in model.named_parameters() if p.requires_grad])
         engine.destroy()
 
         engine, model = new_engine(config, seed=123)  # different initial weights: all must come from the file
@@ -77,6 +81,12 @@ RESUME_CASES = [
     ("acco-commit-pending", make_config("ACCO", 4), 8, 16),  # after B_1
     ("acco-mid-round", make_config("ACCO", 4), 7, 16),  # inside B_1: partial gradient sums saved
     ("co2-mid-outer-round", make_config("CO2", 2, local_steps=3), 10, 22),
+    # Inside the synchronous warm-up (3 of 4 warm-up updates done): the committed weights are the
+    # warm-up's, not x_0 (the anchors only start at the switch).
+    ("co2-mid-warmup", make_config("CO2", 2, local_steps=3, warmup_sync_updates=4), 6, 22),
+    # Eager mode, saved between boundary 1 and the merge of its job (y_1 and the LR sums in flight).
+    ("co2-eager-merge-pending", make_config("CO2", 2, local_steps=3, anchor_merge_steps=2, gap_penalty=1.0,
+                                            normalize_by_inner_lr=True), 14, 22),
 ]
 
 
@@ -91,6 +101,11 @@ def test_load_and_continue_is_bitwise_identical_to_never_stopping(world_size, tm
                 assert torch.equal(continuous[key], resumed[key]), f"{name}, rank {rank}: {key} differs"
             for key in ("global_steps", "global_samples", "lr"):
                 assert continuous[key] == resumed[key], f"{name}, rank {rank}: {key}"
+            # The module file holds the committed weights at the save, whatever the phase.
+            assert torch.equal(rank_results[(name, "module-file")], rank_results[(name, "at-save")]["committed"]), name
+    at_save = results[0][("co2-mid-warmup", "at-save")]
+    assert torch.equal(at_save["committed"], at_save["holds"])  # warm-up updates are installed at once
+    assert not torch.equal(at_save["committed"], flat_trainable(TinyNet(seed=0)))
     # Per-rank optimizer files are shards: O(params / W), the mid-round one carries gradient sums.
     sizes = {name: os.path.getsize(tmp_path / name / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
              for name, *_ in RESUME_CASES}
@@ -112,7 +127,7 @@ def _interop_worker(rank, world_size, directory):
             results[(kind, "masters-equal")] = all(
                 torch.equal(master[:partition.numel()], partition)
                 for master, partition in zip(masters, deepspeed_partitions))
-            results[(kind, "applied_steps")] = engine.optimizer.applied_steps
+            results[(kind, "applied_steps")] = engine.schedule.progress.applied_steps
         feed(engine, rank, 8, 16)
         results[(kind, "after-deepspeed")] = snapshot(engine, model)
         if hasattr(engine, "destroy"):

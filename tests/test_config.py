@@ -1,4 +1,4 @@
-"""Config validation (DESIGN 6): every invalid value of every key we own raises ValueError naming
+"""Config validation (docs/design.md, section 6): every invalid value of every key we own raises ValueError naming
 the key, before torch.distributed is initialised or any collective runs."""
 import copy
 
@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_acco
-from deepspeed_acco.config import ACCOConfig, CO2Config, parse_config, resolve_batch_sizes
+from deepspeed_acco.config import parse_config, resolve_batch_sizes
+from deepspeed_acco.runtime.optimizers.acco import ACCOParams
+from deepspeed_acco.runtime.optimizers.co2 import CO2Params
 
 BASE = {
     "train_micro_batch_size_per_gpu": 2,
@@ -61,6 +63,15 @@ INVALID = [
     ("clip-negative", with_changes("CO2", params={"clip_threshold": -1}), "optimizer.params.clip_threshold"),
     ("group-size-zero", with_changes("CO2", params={"group_size": 0}), "optimizer.params.group_size"),
     ("group-size-not-divisor", with_changes("CO2", params={"group_size": 2}), "optimizer.params.group_size"),
+    ("merge-steps-zero", with_changes("CO2", params={"anchor_merge_steps": 0}), "optimizer.params.anchor_merge_steps"),
+    ("merge-steps-past-round", with_changes("CO2", params={"anchor_merge_steps": 13}),
+     "optimizer.params.anchor_merge_steps"),
+    ("merge-with-adaptive-penalty", with_changes("CO2", params={"anchor_merge_steps": 1, "gap_penalty": "adaptive"}),
+     "optimizer.params.gap_penalty"),
+    ("nesterov-not-bool", with_changes("CO2", params={"outer_nesterov": "yes"}), "optimizer.params.outer_nesterov"),
+    ("warmup-negative", with_changes(params={"warmup_sync_updates": -1}), "optimizer.params.warmup_sync_updates"),
+    ("warmup-on-sharded", with_changes("ShardedAdamW", params={"warmup_sync_updates": 2}),
+     "optimizer.params.warmup_sync_updates"),
     ("zero-stage-2", with_changes(zero_optimization={"stage": 2}), "zero_optimization.stage"),
     ("zero-stage-3", with_changes(zero_optimization={"stage": 3}), "zero_optimization.stage"),
     ("zero-offload", with_changes(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
@@ -108,15 +119,17 @@ def test_other_input_mistakes():
 
 def test_defaults_follow_torch_adamw_and_the_design():
     parsed = parse_config(BASE, world_size=2)
-    assert isinstance(parsed.optimizer, ACCOConfig)
+    assert isinstance(parsed.params, ACCOParams)
     adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
-    assert parsed.optimizer.lr == 1e-3 and parsed.optimizer.betas == adamw["betas"]
-    assert parsed.optimizer.eps == adamw["eps"] and parsed.optimizer.weight_decay == adamw["weight_decay"]
-    assert parsed.optimizer.overlap is True and parsed.optimizer.dynamic_accumulation is False
-    co2 = parse_config(with_changes("co2"), world_size=4).optimizer  # type names are case-insensitive
-    assert isinstance(co2, CO2Config)
+    assert parsed.params.lr == 1e-3 and parsed.params.betas == adamw["betas"]
+    assert parsed.params.eps == adamw["eps"] and parsed.params.weight_decay == adamw["weight_decay"]
+    assert parsed.params.overlap is True and parsed.params.dynamic_accumulation is False
+    co2 = parse_config(with_changes("co2"), world_size=4).params  # type names are case-insensitive
+    assert isinstance(co2, CO2Params)
     assert (co2.local_steps, co2.outer_lr, co2.outer_momentum, co2.gap_penalty, co2.clip_threshold,
-            co2.group_size) == (12, 1.0, 0.5, "adaptive", None, 1)
+            co2.group_size) == (12, 0.5, 0.0, 1.0, None, 1)
+    assert (co2.anchor_merge_steps, co2.outer_nesterov, co2.normalize_by_inner_lr, co2.warmup_sync_updates) == \
+        (None, False, False, 0)
     # ACCO's odd accumulation is fine with dynamic accumulation.
     parse_config(with_changes(params={"dynamic_accumulation": True}, gradient_accumulation_steps=3), world_size=2)
 
@@ -131,3 +144,33 @@ def test_defaults_follow_torch_adamw_and_the_design():
 def test_batch_size_triangle_like_deepspeed(given, expected):
     batch = resolve_batch_sizes(given, data_parallel_size=2)
     assert (batch.train_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps) == expected
+
+
+def test_co2_warns_when_the_outer_rule_is_outside_its_stable_range():
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    handler = Records()
+    logger = logging.getLogger("DeepSpeed.acco")
+    logger.addHandler(handler)
+    try:
+        parse_config(with_changes("CO2"), world_size=2)  # the defaults are stable
+        assert not [m for m in handler.messages if "stable range" in m]
+        # The CO2 paper's outer lr 1 and momentum 0.5, applied one round late, are past the edge.
+        parse_config(with_changes("CO2", params={"outer_lr": 1.0, "outer_momentum": 0.5, "gap_penalty": 1.0}),
+                     world_size=2)
+        assert [m for m in handler.messages if "stable range" in m and "one round late" in m]
+        # Merged within the round the same numbers are stable (the synchronous rule's range).
+        handler.messages.clear()
+        parse_config(with_changes("CO2", params={"outer_lr": 1.0, "outer_momentum": 0.5, "gap_penalty": 1.0,
+                                                 "anchor_merge_steps": 1}), world_size=2)
+        assert not [m for m in handler.messages if "stable range" in m]
+    finally:
+        logger.removeHandler(handler)

@@ -1,5 +1,5 @@
 """Multi-process engine features: dynamic accumulation with a slow rank, bf16, worker failures,
-LR schedulers and counters (test plan layer 3)."""
+LR schedulers and counters (docs/design.md section 7, layer 3)."""
 import time
 
 import pytest
@@ -105,7 +105,7 @@ def _failing_worker(rank, world_size):
               "optimizer": {"type": "DPU", "params": {"lr": 1e-2, "communication_timeout_s": 20}}}
     engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
     if rank == 1:
-        original = engine.communicator.reduce_scatter
+        original = engine.schedule.communicator.reduce_scatter
         calls = {"n": 0}
 
         def failing_reduce_scatter(output, input):
@@ -114,7 +114,7 @@ def _failing_worker(rank, world_size):
                 raise RuntimeError("injected fault in rank 1's communication worker")
             return original(output, input)
 
-        engine.communicator.reduce_scatter = failing_reduce_scatter
+        engine.schedule.communicator.reduce_scatter = failing_reduce_scatter
     start = time.monotonic()
     try:
         for index in range(40):
@@ -191,8 +191,8 @@ def _communication_dtype_worker(rank, world_size):
         def emit(self, record):
             messages.append(record.getMessage())
 
-    logging.getLogger("deepspeed_acco").addHandler(Records())
-    logging.getLogger("deepspeed_acco").setLevel(logging.INFO)
+    logging.getLogger("DeepSpeed.acco").addHandler(Records())
+    logging.getLogger("DeepSpeed.acco").setLevel(logging.INFO)
     results = {}
     for dtype in ("fp32", "bf16"):
         model = TinyNet(seed=0)
@@ -217,6 +217,6 @@ def test_bf16_gradient_communication_and_wall_clock_breakdown():
     result = run_distributed(_communication_dtype_worker, 2)[0]
     difference = (result["fp32"] - result["bf16"]).abs().max().item()
     assert 0 < difference < 5e-3, f"bf16 reduce-scatter should only round the gradients, got {difference}"
-    breakdown = [message for message in result["messages"] if "wait per round" in message]
-    assert breakdown, "wall_clock_breakdown must report the wait per round"
+    breakdown = [message for message in result["messages"] if "wait per boundary" in message]
+    assert breakdown, "wall_clock_breakdown must report the wait per boundary"
     assert "reduce_scatter" in breakdown[-1] and "all_gather" in breakdown[-1]

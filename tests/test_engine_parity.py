@@ -1,7 +1,7 @@
-"""Multi-process (gloo) parity tests of the engine (test plan layer 3).
+"""Multi-process (gloo) parity tests of the engine (docs/design.md section 7, layer 3).
 
-- ShardedAdamW against DeepSpeed's own ZeRO-1 + AdamW (DESIGN 3.1: fp32, 1e-6 after 20 updates).
-- DPU and ACCO against the independent simulation of DESIGN 3.2 / 3.3 (1e-6).
+- ShardedAdamW against DeepSpeed's own ZeRO-1 + AdamW (docs/design.md 3.1: fp32, 1e-6 after 20 updates).
+- DPU and ACCO against the independent simulation of docs/design.md 3.2 / 3.3 (1e-6).
 - ``overlap: true`` against ``overlap: false``: bitwise identical.
 Two param groups (one without weight decay), a frozen layer and 122 trainable parameters, which
 3 ranks do not divide.

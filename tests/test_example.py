@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from deepspeed_acco.bench.methods import engine_available
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_gpt.py")
 CONFIGS = os.path.join(REPO, "examples", "configs")
+# Validation-loss drop (nats) that 12 updates of the tiny model reach with every method here.
+LEARNED_AT_LEAST = 0.2
 
 
 def _deepspeed_launcher():
@@ -22,8 +23,6 @@ def _deepspeed_launcher():
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not engine_available(), reason="deepspeed_acco's engine (deepspeed_acco/runtime) is not in "
-                                                      "this checkout; the example calls deepspeed_acco.initialize"),
     pytest.mark.skipif(_deepspeed_launcher() is None, reason="the deepspeed launcher script is not installed"),
 ]
 
@@ -43,7 +42,7 @@ def _run_example(tmp_path, config, override=None, *extra):
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(default_cache_dir(), "torch_extensions")
     cmd = _deepspeed_launcher() + ["--num_gpus", "2", "--master_port", str(_free_port()), EXAMPLE,
                                    "--deepspeed_config", os.path.join(CONFIGS, config), "--model", "tiny",
-                                   "--ctx", "64", "--steps", "4", "--log-every", "2", "--val-windows", "8", *extra]
+                                   "--ctx", "64", "--steps", "12", "--log-every", "6", "--val-windows", "8", *extra]
     if override:
         cmd += ["--optimizer", override]
     res = subprocess.run(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -60,13 +59,15 @@ def test_example_under_deepspeed_launcher(tmp_path, config, override):
     assert f"optimizer {expected_type}, 2 ranks" in out
     assert "standard library" in out
     losses = [float(x) for x in re.findall(r"update +\d+ +loss (\d+\.\d+)", out)]
-    assert len(losses) == 2 and all(0.5 < x < 6.5 for x in losses), out[-2000:]
-    m = re.search(r"final validation loss (\d+\.\d+)", out)
-    assert m and 0.5 < float(m.group(1)) < 6.5
+    assert len(losses) == 2, out[-2000:]
+    initial = float(re.search(r"initial validation loss (\d+\.\d+)", out).group(1))
+    final = float(re.search(r"final validation loss (\d+\.\d+)", out).group(1))
+    # It learned: 12 updates of the tiny model take the validation loss well below that of the
+    # initial weights (about 5.4 nats per byte), and the second logged loss below the first.
+    assert final < initial - LEARNED_AT_LEAST, (initial, final)
+    assert losses[1] < losses[0], losses
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(REPO, "deepspeed_acco", "runtime", "checkpoint.py")),
-                    reason="the engine has no checkpointing yet (deepspeed_acco/runtime/checkpoint.py)")
 @pytest.mark.parametrize("config", ["acco.json", "zero1.json"])
 def test_example_saves_a_checkpoint(tmp_path, config):
     _run_example(tmp_path, config, None, "--save", str(tmp_path / "ckpt"))

@@ -1,4 +1,4 @@
-"""Failure behaviour (DESIGN 6): non-finite gradients, fp16 loss scaling, a dead peer."""
+"""Failure behaviour (docs/design.md, 6): non-finite gradients, fp16 loss scaling, a dead peer."""
 import logging
 import os
 import pickle
@@ -33,15 +33,15 @@ class _Records(logging.Handler):
 
 def _state(engine):
     shards = engine.optimizer.shards
-    return {"master": torch.cat([s.master for s in shards]), "exp_avg": torch.cat([s.exp_avg for s in shards]),
-            "exp_avg_sq": torch.cat([s.exp_avg_sq for s in shards]), "applied": engine.optimizer.applied_steps,
+    return {"master": torch.cat([s.master for s in shards]), "exp_avg": torch.cat([s.state['exp_avg'] for s in shards]),
+            "exp_avg_sq": torch.cat([s.state['exp_avg_sq'] for s in shards]), "applied": engine.schedule.progress.applied_steps,
             "lr": engine.get_lr()[0]}
 
 
 def _nan_worker(rank, world_size, kind, poisoned_index, dtype_name):
     import deepspeed_acco
     records = _Records()
-    logging.getLogger("deepspeed_acco").addHandler(records)
+    logging.getLogger("DeepSpeed.acco").addHandler(records)
     extra = {"bf16": {"enabled": True}} if dtype_name == "bf16" else {}
     model = TinyNet(seed=0)
     engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(),
@@ -108,6 +108,10 @@ def _fp16_worker(rank, world_size, poisoned):
                                    "hysteresis": 2, "min_loss_scale": 1})
     engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert next(model.parameters()).dtype == torch.float16
+    # DeepSpeed's own scaler is the reference; it logs overflows through deepspeed.comm.
+    import deepspeed.comm
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                                    dist_init_required=False)
     reference = DynamicLossScaler(init_scale=2**8, scale_window=4, min_scale=1, delayed_shift=2,
                                   consecutive_hysteresis=False, raise_error_at_min_scale=False)
     scales, losses = [], []
@@ -122,7 +126,7 @@ def _fp16_worker(rank, world_size, poisoned):
         losses.append(loss.item())
         if engine.global_steps != before:
             reference.update_scale(engine.recent_commits[-1].skipped)
-            scales.append((engine.loss_scaler.cur_scale, reference.cur_scale))
+            scales.append((engine.schedule.loss_scale.scale, reference.cur_scale))
     result = {"scales": scales, "skipped": engine.skipped_steps, "losses": losses}
     engine.destroy()
     return result
@@ -208,3 +212,51 @@ def test_a_killed_rank_makes_the_survivor_fail_fast_and_the_job_resumes_exactly(
     resumed = run_distributed(_resume_after_crash, 2, str(tmp_path))
     uninterrupted = run_distributed(_uninterrupted, 2)
     assert torch.equal(resumed[0], uninterrupted[0]) and torch.equal(resumed[1], uninterrupted[1])
+
+
+HUNG_TIMEOUT_S = 5
+
+
+def _hung_peer_rank(rank, world_size, port, result_path):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    import deepspeed_acco
+    from deepspeed_acco.runtime.comm import CommunicationError, process_group_timeout_s
+    model = TinyNet(seed=0)
+    config = _config("DPU", gradient_accumulation_steps=2)
+    config["optimizer"]["params"]["communication_timeout_s"] = HUNG_TIMEOUT_S
+    engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for index in range(40):
+        if rank == 1 and index == 5:
+            # Alive but stuck (a hung peer, not a dead one: its connections stay open), past our
+            # timeout but not past the process groups' own.
+            time.sleep(process_group_timeout_s(HUNG_TIMEOUT_S) - 10)
+            os._exit(0)
+        x, y = batch(rank, index)
+        engine.backward(loss_fn(engine(x), y))
+        started = time.monotonic()
+        try:
+            engine.step()
+        except CommunicationError as error:
+            with open(result_path, "wb") as handle:
+                pickle.dump({"error": str(error), "index": index, "waited_s": time.monotonic() - started,
+                             "group_timeout_s": process_group_timeout_s(HUNG_TIMEOUT_S)}, handle)
+            os._exit(3)  # the job's worker is still inside gloo: leave without interpreter finalisation
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_hung_peer_is_reported_by_the_hang_check_before_gloo_times_out(tmp_path):
+    result_path = str(tmp_path / "survivor.pkl")
+    exit_codes = run_until_exit(_hung_peer_rank, 2, result_path, timeout_s=120)
+    assert exit_codes == [3, 0], exit_codes
+    with open(result_path, "rb") as handle:
+        survivor = pickle.load(handle)
+    message = survivor["error"]
+    assert "has not completed" in message and "collective" in message and "'acco-jobs'" in message, message
+    # Rank 1 stopped before micro-batch 5; rank 0 launched commit 3 at the boundary after micro-batch 5
+    # (its reduce-scatter hangs) and waits for it at the next one.
+    assert survivor["index"] == 7
+    assert HUNG_TIMEOUT_S - 1 <= survivor["waited_s"] < HUNG_TIMEOUT_S + 3 < survivor["group_timeout_s"]
+

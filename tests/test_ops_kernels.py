@@ -348,6 +348,151 @@ def test_bf16_output_rounds_like_torch(kernels):
 
 
 # ---------------------------------------------------------------------------------------------
+# Control tensor: the gradient multiplier / gap penalty and the skip flag decided on the device
+# ---------------------------------------------------------------------------------------------
+
+# "kernels": the fused kernel of the device; "reference": the torch reference on that device.
+IMPLEMENTATIONS = [("kernels", "cpu"), ("reference", "cpu"),
+                   pytest.param(("kernels", "cuda"), marks=DEVICES[1].marks),
+                   pytest.param(("reference", "cuda"), marks=DEVICES[1].marks)]
+
+
+@pytest.fixture
+def impl(request, monkeypatch):
+    """(module with adamw_step/adamw_peek/co2_outer_step, device): the dispatcher with the device's fused
+    kernels forced, or the torch reference called directly."""
+    kind, device = request.param
+    if kind == "reference":
+        yield reference, device
+        return
+    monkeypatch.setenv(_backend.ENV_VAR, device)
+    _backend.reset()
+    assert ops.backend(device) == device
+    yield ops, device
+    _backend.reset()
+
+
+def make_control(value, skip, device):
+    return torch.tensor([value, 1.0 if skip else 0.0], dtype=torch.float32, device=device)
+
+
+def adamw_out(numel, out_dtype, device):
+    return None if out_dtype is None else torch.full((numel, ), float("nan"), dtype=out_dtype, device=device)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, indirect=True, ids=lambda p: "-".join(p))
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("numel", [7, 4097, (1 << 20) + 3])
+def test_controlled_adamw_equals_a_plain_step_on_the_scaled_gradient(impl, numel, out_dtype):
+    # Bitwise: the multiplier is one fp32 rounding of grad * value, exactly what the engine's jobs did
+    # before with a separate grad.mul_(value); the gradient buffer itself is left alone.
+    module, device = impl
+    controlled = adamw_state(numel, device)
+    plain = [t.clone() for t in controlled]
+    for step in range(1, 4):
+        grad = random_grad(numel, device, step)
+        grad_before = grad.clone()
+        control = make_control(0.37 / step, False, device)
+        out_controlled, out_plain = adamw_out(numel, out_dtype, device), adamw_out(numel, out_dtype, device)
+        module.adamw_step(*controlled[:1], grad, *controlled[1:], step=step, out=out_controlled, control=control,
+                          **EXAGGERATED)
+        module.adamw_step(*plain[:1], grad * control[0], *plain[1:], step=step, out=out_plain, **EXAGGERATED)
+        assert_bitwise(grad, grad_before)
+        for actual, want in zip(controlled, plain):
+            assert_bitwise(actual, want)
+        if out_dtype is not None:
+            assert_bitwise(out_controlled, out_plain)
+        peeked_controlled = torch.empty(numel, device=device)
+        peeked_plain = torch.empty(numel, device=device)
+        module.adamw_peek(*controlled[:1], grad, *controlled[1:], step=step + 1, out=peeked_controlled,
+                          control=control, **EXAGGERATED)
+        module.adamw_peek(*plain[:1], grad * control[0], *plain[1:], step=step + 1, out=peeked_plain, **EXAGGERATED)
+        assert_bitwise(peeked_controlled, peeked_plain)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, indirect=True, ids=lambda p: "-".join(p))
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("numel", [7, 4097])
+def test_controlled_skip_leaves_the_state_and_writes_the_current_parameters(impl, numel, out_dtype):
+    module, device = impl
+    param, exp_avg, exp_avg_sq = adamw_state(numel, device)
+    grad = random_grad(numel, device, 1)
+    grad[::3] = float("nan")  # what a skipped update usually sees
+    before = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    control = make_control(float("nan"), True, device)
+    out = adamw_out(numel, out_dtype, device)
+    module.adamw_step(param, grad, exp_avg, exp_avg_sq, step=3, out=out, control=control, **EXAGGERATED)
+    for actual, want in zip((param, exp_avg, exp_avg_sq), before):
+        assert_bitwise(actual, want)
+    if out is not None:
+        assert_bitwise(out, param.to(out_dtype))
+    peeked = adamw_out(numel, out_dtype or torch.float32, device)
+    module.adamw_peek(param, grad, exp_avg, exp_avg_sq, step=3, out=peeked, control=control, **EXAGGERATED)
+    assert_bitwise(peeked, param.to(peeked.dtype))
+    for actual, want in zip((param, exp_avg, exp_avg_sq), before):
+        assert_bitwise(actual, want)
+
+    prev_anchor, anchor, momentum, mean_params = co2_state(numel, device)
+    mean_params[::2] = float("inf")
+    anchor_before, momentum_before = anchor.clone(), momentum.clone()
+    out = adamw_out(numel, out_dtype, device)
+    module.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=0.7, outer_momentum=0.5,
+                          clip_threshold=0.2, out=out, control=make_control(float("nan"), True, device))
+    # x_{k+2} = x_{k+1}: the anchor stays (and becomes the previous anchor), the momentum is kept.
+    assert_bitwise(anchor, anchor_before)
+    assert_bitwise(prev_anchor, anchor_before)
+    assert_bitwise(momentum, momentum_before)
+    if out is not None:
+        assert_bitwise(out, anchor.to(out_dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, indirect=True, ids=lambda p: "-".join(p))
+@pytest.mark.parametrize("clip_threshold", [None, 0.2], ids=["noclip", "clip"])
+def test_controlled_co2_outer_step_takes_the_penalty_from_the_device(impl, clip_threshold):
+    module, device = impl
+    numel = 4097
+    controlled = co2_state(numel, device)
+    plain = [t.clone() for t in controlled]
+    penalty = 2.7  # not a power of two: a reciprocal and a division round differently
+    control = make_control(penalty, False, device)
+    out = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        controlled[3].add_(0.3)
+        plain[3].add_(0.3)
+        module.co2_outer_step(*controlled, outer_lr=0.7, outer_momentum=0.5, clip_threshold=clip_threshold, out=out,
+                              control=control)
+        module.co2_outer_step(*plain, outer_lr=0.7, outer_momentum=0.5, penalty=float(control[0]),
+                              clip_threshold=clip_threshold)
+        for actual, want in zip(controlled[:3], plain[:3]):
+            if device == "cpu":
+                # On the CPU both divide by the fp32 penalty: bitwise what the engine computed before.
+                assert_bitwise(actual, want)
+            else:
+                # CUDA divides by the device value but multiplies by the reciprocal of a host number
+                # (as torch does): the two differ in the last bit.
+                assert_close_rel(actual, want)
+        assert_bitwise(out, controlled[1].to(torch.bfloat16))
+
+
+def test_co2_outer_step_needs_exactly_one_penalty_source():
+    prev_anchor, anchor, momentum, mean_params = co2_state(16, "cpu")
+    with pytest.raises(ValueError, match="exactly one of penalty"):
+        ops.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=1.0, outer_momentum=0.5)
+    with pytest.raises(ValueError, match="exactly one of penalty"):
+        ops.co2_outer_step(prev_anchor, anchor, momentum, mean_params, outer_lr=1.0, outer_momentum=0.5, penalty=2.0,
+                           control=make_control(2.0, False, "cpu"))
+    with pytest.raises(ValueError, match="control has 3 elements"):
+        ops.adamw_step(anchor, mean_params, momentum, prev_anchor.abs(), step=1, control=torch.zeros(3),
+                       **EXAGGERATED)
+
+
+def test_make_control_rounds_the_value_to_fp32_once():
+    value = torch.tensor(1.0 / 3.0, dtype=torch.float64)
+    control = ops.make_control(value, torch.tensor(True))
+    assert control.dtype == torch.float32 and control.tolist() == [float(torch.tensor(1.0 / 3.0).float()), 1.0]
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA: streams
 # ---------------------------------------------------------------------------------------------
 
@@ -498,11 +643,16 @@ def test_stale_prebuilt_op_is_not_used(monkeypatch):
     assert builder._load_prebuilt() is stale
 
 
-def test_nvcc_compiles_every_cu_file(tmp_path):
+def _nvcc():
     nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
                                     if os.environ.get("CUDA_HOME") else None)
     if nvcc is None or not os.path.exists(nvcc):
-        pytest.skip("nvcc not found (not on PATH, no CUDA_HOME): cannot compile-check the .cu files")
+        pytest.skip("nvcc not found (not on PATH, no CUDA_HOME): cannot compile-check the CUDA sources")
+    return nvcc
+
+
+def test_nvcc_compiles_every_cu_file(tmp_path):
+    nvcc = _nvcc()
     from deepspeed_acco.op_builder.cuda_ops import TORCH_NVCC_DEFINES
 
     cu_files = sorted(CSRC.rglob("*.cu"))
@@ -513,6 +663,35 @@ def test_nvcc_compiles_every_cu_file(tmp_path):
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
         assert "warning" not in result.stderr.lower(), result.stderr
+
+
+def test_cuda_frontend_compiles_against_torch_and_cuda_headers(tmp_path):
+    # The CUDA op's pybind frontend is host C++ that only the GPU machine's JIT build compiles; a
+    # syntax-only pass here, against this torch's headers and the toolkit's, catches binding errors
+    # (e.g. in the controlled entry points) before a GPU session does.
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+    nvcc = _nvcc()
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    dry_run = subprocess.run([nvcc, "-E", "-x", "cu", "-", "-o", os.devnull, "-v"], input="", capture_output=True,
+                             text=True, timeout=120)
+    cuda_includes = re.findall(r'-I"?([^"\s]+)', "\n".join(line for line in dry_run.stderr.splitlines()
+                                                             if "INCLUDES=" in line))
+    assert cuda_includes, f"could not read nvcc's include directories:\n{dry_run.stderr}"
+    stub = tmp_path / "stub"
+    macros = "c10/cuda/impl/cuda_cmake_macros.h"
+    if not any((Path(p) / macros).exists() for p in include_paths()):
+        # Generated at torch's build; CPU-only wheels ship the c10/cuda headers without it.
+        (stub / macros).parent.mkdir(parents=True)
+        (stub / macros).write_text("#pragma once\n")
+    cmd = [compiler, "-std=c++17", "-fsyntax-only", *(f"-I{p}" for p in include_paths()), f"-I{stub}",
+           f"-I{sysconfig.get_paths()['include']}", *(f"-I{p}" for p in cuda_includes), f"-I{CSRC / 'includes'}",
+           "-DTORCH_EXTENSION_NAME=acco_cuda_ops", str(CSRC / "cuda" / "acco_cuda_frontend.cpp")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"
 
 
 def test_cpu_kernel_loops_are_vectorised(tmp_path):

@@ -1,12 +1,14 @@
-"""The round schedules with a fake communicator (test plan layer 2): what is launched, installed
+"""The round schedules with a fake communicator (docs/design.md section 7, layer 2): what is launched, installed
 and sent at which boundary, and what an estimate leaves untouched. No processes, one rank."""
 import torch
 
-from deepspeed_acco.runtime.comm import Pipeline
+from deepspeed_acco.config import parse_config
+from deepspeed_acco.runtime.comm import ControlPlane, Lane
 from deepspeed_acco.runtime.jobs import JobKind
-from deepspeed_acco.runtime.optimizer import ShardedOptimizer
-from deepspeed_acco.runtime.schedule import (ACCOSchedule, DPUSchedule, Phase, ScheduleSettings,
-                                             ShardedAdamWSchedule)
+from deepspeed_acco.runtime.loss_scale import LossScale
+from deepspeed_acco.runtime.optimizers import lookup
+from deepspeed_acco.runtime.optimizers.acco import Phase
+from deepspeed_acco.runtime.schedule import BuildContext
 
 
 class RecordingCommunicator:
@@ -32,28 +34,32 @@ class RecordingCommunicator:
 
 
 class Harness:
-    def __init__(self, schedule_cls, accumulation=2, overlap=True):
+    """One rank of a type's schedule, built the way the engine builds it, on a recording communicator."""
+
+    def __init__(self, type_name, accumulation=2, overlap=True):
         torch.manual_seed(0)
         self.model = torch.nn.Linear(4, 3)
         self.communicator = RecordingCommunicator()
-        self.pipeline = Pipeline(0, torch.device("cpu"), [self.communicator], timeout_s=30)
-        self.optimizer = ShardedOptimizer([{"params": list(self.model.parameters())}],
-                                          dict(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), world_size=1,
-                                          rank=0, communication_dtype=torch.float32,
-                                          synchronous=schedule_cls is ShardedAdamWSchedule)
+        self.lane = Lane(0, torch.device("cpu"), timeout_s=30)
+        config = parse_config({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
+                               "gradient_clipping": 0.0,
+                               "optimizer": {"type": type_name, "params": {"lr": 0.1, "weight_decay": 0.0,
+                                                                           "overlap": overlap}}}, world_size=1)
+        context = BuildContext(params=config.params, config=config,
+                               param_groups=[{"params": list(self.model.parameters())}], rank=0, world_size=1,
+                               device=torch.device("cpu"), lane=self.lane, jobs_communicator=self.communicator,
+                               control=ControlPlane(None, 1), loss_scale=LossScale(),
+                               new_group_communicator=lambda size, name: self.communicator)
+        self.schedule = lookup(type_name).build(context)
+        self.optimizer = self.schedule.optimizer
         self.commits = []
-        nominal = accumulation // 2 if schedule_cls is ACCOSchedule else accumulation
-        settings = ScheduleSettings(overlap=overlap, gradient_clipping=0.0, nominal_round_micro_batches=nominal)
-        self.schedule = schedule_cls(self.optimizer.flats, self.optimizer.shards, self.communicator, self.pipeline,
-                                     settings, applied_steps=lambda: self.optimizer.applied_steps,
-                                     on_commit=self._on_commit, loss_scale=lambda: 1.0)
+        self.schedule.on_commit = self.commits.append
         self.inputs = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
         self.cursor = 0
 
-    def _on_commit(self, result):
-        self.commits.append(result)
-        if not result.skipped:
-            self.optimizer.applied_steps += 1
+    @property
+    def applied_steps(self):
+        return self.schedule.progress.applied_steps
 
     def params(self):
         return self.optimizer.flats[0].model_flat.clone()
@@ -62,7 +68,7 @@ class Harness:
         """One micro-batch whose gradient sum is known: returns whether it ended a round."""
         x = self.inputs[self.cursor:self.cursor + 4]
         self.cursor += 4
-        (self.model(x).sum() * scale).backward()
+        (self.model(x).sum() * scale * self.schedule.backward_loss_scale()).backward()
         self.optimizer.flats[0].accumulate_grads()
         return self.schedule.micro_batch_done()
 
@@ -71,7 +77,7 @@ class Harness:
 
 
 def test_acco_boundaries_launch_estimate_then_commit_and_install_in_order():
-    h = Harness(ACCOSchedule, accumulation=4)
+    h = Harness("ACCO", accumulation=4)
     shard = h.optimizer.shards[0]
     theta_0 = h.params()
     assert h.schedule.phase is Phase.FIRST_HALF
@@ -81,8 +87,8 @@ def test_acco_boundaries_launch_estimate_then_commit_and_install_in_order():
     assert torch.equal(h.params(), theta_0)
     h.schedule.drain()
     # The estimate ran: no optimizer state changed (no clone/restore either: nothing to restore).
-    assert h.optimizer.applied_steps == 0
-    assert shard.exp_avg.abs().sum() == 0 and shard.exp_avg_sq.abs().sum() == 0
+    assert h.applied_steps == 0
+    assert shard.state["exp_avg"].abs().sum() == 0 and shard.state["exp_avg_sq"].abs().sum() == 0
     assert torch.equal(shard.master, theta_0)
     assert h.collectives() == ["reduce_scatter", "all_reduce", "all_gather"]
     first_half_sum = h.communicator.log[0][1]
@@ -96,7 +102,7 @@ def test_acco_boundaries_launch_estimate_then_commit_and_install_in_order():
     # The commit sends only B_0's gradients: A_0's reduced sum was kept from the estimate job.
     second_half_sum = h.communicator.log[3][1]
     assert abs(second_half_sum - first_half_sum) > 1e-6
-    assert h.optimizer.applied_steps == 0 and not h.commits  # committed, but not yet installed
+    assert h.applied_steps == 0 and not h.commits  # committed, but not yet installed
     with h.schedule.committed_parameters():
         theta_1 = h.params()
     assert torch.equal(h.params(), estimate)  # the context restored what the model held
@@ -105,12 +111,12 @@ def test_acco_boundaries_launch_estimate_then_commit_and_install_in_order():
     assert h.micro_batch()  # end of A_1: install theta_1, launch the next estimate
     assert torch.equal(h.params(), theta_1) and torch.equal(shard.master, theta_1)
     assert len(h.commits) == 1 and h.commits[0].global_micro_batches == 4
-    assert h.optimizer.applied_steps == 1 and shard.exp_avg.abs().sum() > 0
-    h.pipeline.close()
+    assert h.applied_steps == 1 and shard.state["exp_avg"].abs().sum() > 0
+    h.lane.close()
 
 
 def test_dpu_installs_each_update_one_round_late():
-    h = Harness(DPUSchedule, accumulation=2)
+    h = Harness("DPU", accumulation=2)
     theta_0 = h.params()
     h.micro_batch()
     assert h.micro_batch()  # round 0 ends: launch commit 1; the model keeps theta_0
@@ -121,51 +127,51 @@ def test_dpu_installs_each_update_one_round_late():
     assert not torch.equal(theta_1, theta_0) and len(h.commits) == 1
     h.schedule.drain()
     assert h.collectives() == ["reduce_scatter", "all_reduce", "all_gather"] * 2
-    h.pipeline.close()
+    h.lane.close()
 
 
 def test_sharded_adamw_commits_at_every_boundary_in_place():
-    h = Harness(ShardedAdamWSchedule, accumulation=2)
+    h = Harness("ShardedAdamW", accumulation=2)
     theta_0 = h.params()
     h.micro_batch()
     assert h.micro_batch()
     assert len(h.commits) == 1 and h.schedule.running is None
     assert not torch.equal(h.params(), theta_0)
     assert h.optimizer.flats[0].gather is None  # gathered straight into the model
-    h.pipeline.close()
+    h.lane.close()
 
 
 def test_overlap_off_gives_identical_parameters():
     results = []
     for overlap in (True, False):
-        h = Harness(ACCOSchedule, accumulation=2, overlap=overlap)
+        h = Harness("ACCO", accumulation=2, overlap=overlap)
         for _ in range(12):
             h.micro_batch()
         h.schedule.drain()
         results.append(h.params())
-        h.pipeline.close()
+        h.lane.close()
     assert torch.equal(results[0], results[1])
 
 
 def test_non_finite_gradient_skips_update_and_estimate_and_restores_committed_parameters():
-    h = Harness(ACCOSchedule, accumulation=2)  # one micro-batch per half
+    h = Harness("ACCO", accumulation=2)  # one micro-batch per half
     for _ in range(5):  # through A_2: theta_2 installed, the estimate of update 3 running
         h.micro_batch()
     h.schedule.drain()
     shard = h.optimizer.shards[0]
-    state_before = (shard.master.clone(), shard.exp_avg.clone(), shard.exp_avg_sq.clone())
+    state_before = (shard.master.clone(), shard.state["exp_avg"].clone(), shard.state["exp_avg_sq"].clone())
     h.micro_batch(scale=float("nan"))  # B_2 is poisoned: the commit of update 3 must skip
     h.micro_batch()  # end of A_3: installs the skipped commit's result, theta_2, over the estimate
     assert h.commits[-1].skipped and not any(c.skipped for c in h.commits[:-1])
     assert torch.equal(h.params(), state_before[0])
-    assert h.optimizer.applied_steps == 2
-    for before, after in zip(state_before, (shard.master, shard.exp_avg, shard.exp_avg_sq)):
+    assert h.applied_steps == 2
+    for before, after in zip(state_before, (shard.master, shard.state["exp_avg"], shard.state["exp_avg_sq"])):
         assert torch.equal(before, after)
-    h.pipeline.close()
+    h.lane.close()
 
 
 def test_worker_exception_surfaces_at_the_next_boundary_with_its_traceback():
-    h = Harness(DPUSchedule, accumulation=1)
+    h = Harness("DPU", accumulation=1)
 
     def broken_reduce_scatter(output, input):
         raise RuntimeError("injected failure in the communication worker")
@@ -180,4 +186,4 @@ def test_worker_exception_surfaces_at_the_next_boundary_with_its_traceback():
         assert "commit of update 1" in message
     else:
         raise AssertionError("the worker's exception did not surface")
-    h.pipeline.close()
+    h.lane.close()

@@ -178,11 +178,12 @@ void adamw_block(float* param, const float* grad, float* exp_avg, float* exp_avg
     const float bias_correction2_sqrt = coeffs.bias_correction2_sqrt;
     const float eps = coeffs.eps;
     const float step_size = coeffs.step_size;
+    const float grad_scale = coeffs.grad_scale;
     float* out_f32 = static_cast<float*>(out) - out_base;
     uint16_t* out_bf16 = static_cast<uint16_t*>(out) - out_base;
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
-        const float g = grad[i];
+        const float g = grad[i] * grad_scale;  // exact when grad_scale == 1
         const float m_old = exp_avg[i];
         const float theta = param[i] * decay;
         const float m = std::fma(lerp_coeff, g - m_old, lerp_from_grad ? g : m_old);

@@ -12,6 +12,12 @@
 // one op (lerp, addcmul, addcdiv) are explicit fmaf calls. Division by a Python scalar is a
 // multiplication by its float reciprocal, as in torch. No --use_fast_math: sqrt and division
 // must be IEEE-rounded.
+//
+// Controlled launches pass a device pointer to two floats (acco_coeffs.h, kControlValue/kControlSkip)
+// that the engine's job computed on the device: the gradient multiplier (AdamW) or the gap penalty
+// (CO2), and a skip flag. Every thread reads them itself, so the host never does; a skip makes the
+// kernel write the current parameters to `out` and leave the state alone. The plain launches pass
+// nullptr (multiplier 1, which is exact, and the host's reciprocal of the penalty).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -64,9 +70,10 @@ struct AdamwResult {
     float v;
 };
 
-__device__ __forceinline__ AdamwResult adamw_element(float theta_old, float g, float m_old, float v_old,
-                                                     const AdamwCoeffs& c) {
+__device__ __forceinline__ AdamwResult adamw_element(float theta_old, float g_raw, float m_old, float v_old,
+                                                     const AdamwCoeffs& c, float grad_scale) {
     AdamwResult r;
+    const float g = __fmul_rn(g_raw, grad_scale);
     const float theta = __fmul_rn(theta_old, c.decay);
     r.m = fmaf(c.lerp_coeff, __fsub_rn(g, m_old), c.lerp_from_grad ? g : m_old);
     r.v = fmaf(__fmul_rn(c.one_minus_beta2, g), g, __fmul_rn(v_old, c.beta2));
@@ -75,9 +82,12 @@ __device__ __forceinline__ AdamwResult adamw_element(float theta_old, float g, f
     return r;
 }
 
+// `penalty` > 0: divide by this device value (controlled launch, like torch dividing by a tensor);
+// otherwise multiply by the host's reciprocal (like torch dividing by a Python number).
 __device__ __forceinline__ float co2_element(float* prev_anchor_io, float anchor_old, float mean_param,
-                                             float* momentum_io, const Co2Coeffs& c, bool clip) {
-    const float pseudo_grad = __fmul_rn(__fsub_rn(*prev_anchor_io, mean_param), c.inv_penalty);
+                                             float* momentum_io, const Co2Coeffs& c, bool clip, float penalty) {
+    const float difference = __fsub_rn(*prev_anchor_io, mean_param);
+    const float pseudo_grad = penalty > 0.0f ? __fdiv_rn(difference, penalty) : __fmul_rn(difference, c.inv_penalty);
     float mom = __fadd_rn(__fmul_rn(*momentum_io, c.outer_momentum), pseudo_grad);
     // NaN passes through, like torch.clamp.
     if (clip) mom = mom < -c.clip_threshold ? -c.clip_threshold : (mom > c.clip_threshold ? c.clip_threshold : mom);
@@ -110,9 +120,20 @@ __device__ __forceinline__ void store_out4(void* out, int64_t vec_index, float4 
 template <OutKind kOut, bool kWriteState, bool kVec>
 __global__ void __launch_bounds__(kBlockThreads)
     adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
-                 float* __restrict__ exp_avg_sq, void* __restrict__ out, int64_t numel, AdamwCoeffs coeffs) {
+                 float* __restrict__ exp_avg_sq, void* __restrict__ out, int64_t numel, AdamwCoeffs coeffs,
+                 const float* __restrict__ control) {
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    float grad_scale = 1.0f;
+    if (control != nullptr) {
+        if (control[kControlSkip] != 0.0f) {  // skipped update: out = theta, state untouched
+            if constexpr (kOut != OutKind::kNone) {
+                for (int64_t i = tid; i < numel; i += stride) store_out<kOut>(out, i, param[i]);
+            }
+            return;
+        }
+        grad_scale = control[kControlValue];
+    }
     int64_t scalar_begin = 0;
     if constexpr (kVec) {
         const int64_t numel_vec = numel / 4;
@@ -121,10 +142,10 @@ __global__ void __launch_bounds__(kBlockThreads)
             const float4 g = reinterpret_cast<const float4*>(grad)[j];
             const float4 m = reinterpret_cast<const float4*>(exp_avg)[j];
             const float4 v = reinterpret_cast<const float4*>(exp_avg_sq)[j];
-            const AdamwResult r0 = adamw_element(p.x, g.x, m.x, v.x, coeffs);
-            const AdamwResult r1 = adamw_element(p.y, g.y, m.y, v.y, coeffs);
-            const AdamwResult r2 = adamw_element(p.z, g.z, m.z, v.z, coeffs);
-            const AdamwResult r3 = adamw_element(p.w, g.w, m.w, v.w, coeffs);
+            const AdamwResult r0 = adamw_element(p.x, g.x, m.x, v.x, coeffs, grad_scale);
+            const AdamwResult r1 = adamw_element(p.y, g.y, m.y, v.y, coeffs, grad_scale);
+            const AdamwResult r2 = adamw_element(p.z, g.z, m.z, v.z, coeffs, grad_scale);
+            const AdamwResult r3 = adamw_element(p.w, g.w, m.w, v.w, coeffs, grad_scale);
             const float4 theta = make_float4(r0.theta, r1.theta, r2.theta, r3.theta);
             if constexpr (kWriteState) {
                 reinterpret_cast<float4*>(param)[j] = theta;
@@ -136,7 +157,7 @@ __global__ void __launch_bounds__(kBlockThreads)
         scalar_begin = numel_vec * 4;
     }
     for (int64_t i = scalar_begin + tid; i < numel; i += stride) {
-        const AdamwResult r = adamw_element(param[i], grad[i], exp_avg[i], exp_avg_sq[i], coeffs);
+        const AdamwResult r = adamw_element(param[i], grad[i], exp_avg[i], exp_avg_sq[i], coeffs, grad_scale);
         if constexpr (kWriteState) {
             param[i] = r.theta;
             exp_avg[i] = r.m;
@@ -149,9 +170,22 @@ __global__ void __launch_bounds__(kBlockThreads)
 template <OutKind kOut, bool kClip, bool kVec>
 __global__ void __launch_bounds__(kBlockThreads)
     co2_kernel(float* __restrict__ prev_anchor, float* __restrict__ anchor, float* __restrict__ momentum,
-               const float* __restrict__ mean_params, void* __restrict__ out, int64_t numel, Co2Coeffs coeffs) {
+               const float* __restrict__ mean_params, void* __restrict__ out, int64_t numel, Co2Coeffs coeffs,
+               const float* __restrict__ control) {
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    float penalty = 0.0f;  // 0: use the host's reciprocal in coeffs
+    if (control != nullptr) {
+        if (control[kControlSkip] != 0.0f) {  // skipped round: x_{k+2} = x_{k+1}, momentum untouched
+            for (int64_t i = tid; i < numel; i += stride) {
+                const float a = anchor[i];
+                prev_anchor[i] = a;
+                store_out<kOut>(out, i, a);
+            }
+            return;
+        }
+        penalty = control[kControlValue];
+    }
     int64_t scalar_begin = 0;
     if constexpr (kVec) {
         const int64_t numel_vec = numel / 4;
@@ -161,10 +195,10 @@ __global__ void __launch_bounds__(kBlockThreads)
             float4 mom = reinterpret_cast<const float4*>(momentum)[j];
             const float4 mean = reinterpret_cast<const float4*>(mean_params)[j];
             float4 a_new;
-            a_new.x = co2_element(&prev.x, a.x, mean.x, &mom.x, coeffs, kClip);
-            a_new.y = co2_element(&prev.y, a.y, mean.y, &mom.y, coeffs, kClip);
-            a_new.z = co2_element(&prev.z, a.z, mean.z, &mom.z, coeffs, kClip);
-            a_new.w = co2_element(&prev.w, a.w, mean.w, &mom.w, coeffs, kClip);
+            a_new.x = co2_element(&prev.x, a.x, mean.x, &mom.x, coeffs, kClip, penalty);
+            a_new.y = co2_element(&prev.y, a.y, mean.y, &mom.y, coeffs, kClip, penalty);
+            a_new.z = co2_element(&prev.z, a.z, mean.z, &mom.z, coeffs, kClip, penalty);
+            a_new.w = co2_element(&prev.w, a.w, mean.w, &mom.w, coeffs, kClip, penalty);
             reinterpret_cast<float4*>(momentum)[j] = mom;
             reinterpret_cast<float4*>(prev_anchor)[j] = prev;
             reinterpret_cast<float4*>(anchor)[j] = a_new;
@@ -175,7 +209,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int64_t i = scalar_begin + tid; i < numel; i += stride) {
         float prev = prev_anchor[i];
         float mom = momentum[i];
-        const float a_new = co2_element(&prev, anchor[i], mean_params[i], &mom, coeffs, kClip);
+        const float a_new = co2_element(&prev, anchor[i], mean_params[i], &mom, coeffs, kClip, penalty);
         momentum[i] = mom;
         prev_anchor[i] = prev;
         anchor[i] = a_new;
@@ -194,94 +228,100 @@ bool can_vectorize(const void* const* state, int num_state, const void* out, Out
 
 template <bool kWriteState, OutKind kOut>
 cudaError_t launch_adamw_out(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* out,
-                             int64_t numel, const AdamwCoeffs& coeffs, cudaStream_t stream) {
+                             int64_t numel, const AdamwCoeffs& coeffs, const float* control, cudaStream_t stream) {
     const void* state[4] = {param, grad, exp_avg, exp_avg_sq};
     static std::atomic<int> vec_blocks_per_sm{0};
     static std::atomic<int> scalar_blocks_per_sm{0};
     if (can_vectorize(state, 4, out, kOut)) {
         auto kernel = adamw_kernel<kOut, kWriteState, true>;
         kernel<<<grid_blocks(kernel, vec_blocks_per_sm, (numel + 3) / 4), kBlockThreads, 0, stream>>>(
-            param, grad, exp_avg, exp_avg_sq, out, numel, coeffs);
+            param, grad, exp_avg, exp_avg_sq, out, numel, coeffs, control);
     } else {
         auto kernel = adamw_kernel<kOut, kWriteState, false>;
         kernel<<<grid_blocks(kernel, scalar_blocks_per_sm, numel), kBlockThreads, 0, stream>>>(
-            param, grad, exp_avg, exp_avg_sq, out, numel, coeffs);
+            param, grad, exp_avg, exp_avg_sq, out, numel, coeffs, control);
     }
     return cudaGetLastError();
 }
 
 template <bool kWriteState>
 cudaError_t launch_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* out,
-                         OutKind out_kind, int64_t numel, const AdamwCoeffs& coeffs, cudaStream_t stream) {
+                         OutKind out_kind, int64_t numel, const AdamwCoeffs& coeffs, const float* control,
+                         cudaStream_t stream) {
     if (numel <= 0) return cudaSuccess;
     switch (out_kind) {
         case OutKind::kFloat32:
             return launch_adamw_out<kWriteState, OutKind::kFloat32>(param, grad, exp_avg, exp_avg_sq, out, numel,
-                                                                    coeffs, stream);
+                                                                    coeffs, control, stream);
         case OutKind::kBFloat16:
             return launch_adamw_out<kWriteState, OutKind::kBFloat16>(param, grad, exp_avg, exp_avg_sq, out, numel,
-                                                                     coeffs, stream);
+                                                                     coeffs, control, stream);
         default:
             return launch_adamw_out<kWriteState, OutKind::kNone>(param, grad, exp_avg, exp_avg_sq, out, numel, coeffs,
-                                                                 stream);
+                                                                 control, stream);
     }
 }
 
 template <bool kClip, OutKind kOut>
 cudaError_t launch_co2_out(float* prev_anchor, float* anchor, float* momentum, const float* mean_params, void* out,
-                           int64_t numel, const Co2Coeffs& coeffs, cudaStream_t stream) {
+                           int64_t numel, const Co2Coeffs& coeffs, const float* control, cudaStream_t stream) {
     const void* state[4] = {prev_anchor, anchor, momentum, mean_params};
     static std::atomic<int> vec_blocks_per_sm{0};
     static std::atomic<int> scalar_blocks_per_sm{0};
     if (can_vectorize(state, 4, out, kOut)) {
         auto kernel = co2_kernel<kOut, kClip, true>;
         kernel<<<grid_blocks(kernel, vec_blocks_per_sm, (numel + 3) / 4), kBlockThreads, 0, stream>>>(
-            prev_anchor, anchor, momentum, mean_params, out, numel, coeffs);
+            prev_anchor, anchor, momentum, mean_params, out, numel, coeffs, control);
     } else {
         auto kernel = co2_kernel<kOut, kClip, false>;
         kernel<<<grid_blocks(kernel, scalar_blocks_per_sm, numel), kBlockThreads, 0, stream>>>(
-            prev_anchor, anchor, momentum, mean_params, out, numel, coeffs);
+            prev_anchor, anchor, momentum, mean_params, out, numel, coeffs, control);
     }
     return cudaGetLastError();
 }
 
 template <bool kClip>
 cudaError_t launch_co2(float* prev_anchor, float* anchor, float* momentum, const float* mean_params, void* out,
-                       OutKind out_kind, int64_t numel, const Co2Coeffs& coeffs, cudaStream_t stream) {
+                       OutKind out_kind, int64_t numel, const Co2Coeffs& coeffs, const float* control,
+                       cudaStream_t stream) {
     switch (out_kind) {
         case OutKind::kFloat32:
             return launch_co2_out<kClip, OutKind::kFloat32>(prev_anchor, anchor, momentum, mean_params, out, numel,
-                                                            coeffs, stream);
+                                                            coeffs, control, stream);
         case OutKind::kBFloat16:
             return launch_co2_out<kClip, OutKind::kBFloat16>(prev_anchor, anchor, momentum, mean_params, out, numel,
-                                                             coeffs, stream);
+                                                             coeffs, control, stream);
         default:
             return launch_co2_out<kClip, OutKind::kNone>(prev_anchor, anchor, momentum, mean_params, out, numel,
-                                                         coeffs, stream);
+                                                         coeffs, control, stream);
     }
 }
 
 }  // namespace
 
 cudaError_t adamw_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* out,
-                       OutKind out_kind, int64_t numel, const AdamwCoeffs& coeffs, cudaStream_t stream) {
-    return launch_adamw<true>(param, grad, exp_avg, exp_avg_sq, out, out_kind, numel, coeffs, stream);
+                       OutKind out_kind, int64_t numel, const AdamwCoeffs& coeffs, cudaStream_t stream,
+                       const float* control) {
+    return launch_adamw<true>(param, grad, exp_avg, exp_avg_sq, out, out_kind, numel, coeffs, control, stream);
 }
 
 cudaError_t adamw_peek(const float* param, const float* grad, const float* exp_avg, const float* exp_avg_sq,
-                       void* out, OutKind out_kind, int64_t numel, const AdamwCoeffs& coeffs, cudaStream_t stream) {
+                       void* out, OutKind out_kind, int64_t numel, const AdamwCoeffs& coeffs, cudaStream_t stream,
+                       const float* control) {
     // The <false> instantiation never stores to param / exp_avg / exp_avg_sq.
     return launch_adamw<false>(const_cast<float*>(param), grad, const_cast<float*>(exp_avg),
-                               const_cast<float*>(exp_avg_sq), out, out_kind, numel, coeffs, stream);
+                               const_cast<float*>(exp_avg_sq), out, out_kind, numel, coeffs, control, stream);
 }
 
 cudaError_t co2_outer_step(float* prev_anchor, float* anchor, float* momentum, const float* mean_params, void* out,
-                           OutKind out_kind, int64_t numel, const Co2Coeffs& coeffs, cudaStream_t stream) {
+                           OutKind out_kind, int64_t numel, const Co2Coeffs& coeffs, cudaStream_t stream,
+                           const float* control) {
     if (numel <= 0) return cudaSuccess;
     if (coeffs.has_clip) {
-        return launch_co2<true>(prev_anchor, anchor, momentum, mean_params, out, out_kind, numel, coeffs, stream);
+        return launch_co2<true>(prev_anchor, anchor, momentum, mean_params, out, out_kind, numel, coeffs, control,
+                                stream);
     }
-    return launch_co2<false>(prev_anchor, anchor, momentum, mean_params, out, out_kind, numel, coeffs, stream);
+    return launch_co2<false>(prev_anchor, anchor, momentum, mean_params, out, out_kind, numel, coeffs, control, stream);
 }
 
 }  // namespace cuda

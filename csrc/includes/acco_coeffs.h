@@ -12,6 +12,12 @@
 
 namespace acco {
 
+// Layout of the optional control tensor (2 fp32 values on the tensors' device; see
+// deepspeed_acco/ops/reference.py): the gradient multiplier (AdamW) or the gap penalty (CO2), and
+// a skip flag (non-zero: no update, the output gets the current parameters).
+constexpr int kControlValue = 0;
+constexpr int kControlSkip = 1;
+
 // Element type of the optional output buffer (the all-gather buffer).
 enum class OutKind : int { kNone = 0, kFloat32 = 1, kBFloat16 = 2 };
 
@@ -29,6 +35,10 @@ struct AdamwCoeffs {
     float inv_bias_correction2_sqrt;
     float eps;
     float step_size;  // -(lr / bias_correction1), the addcdiv value
+    // Multiplier applied to each gradient element as it is read (one rounding, like a separate
+    // grad.mul_(s) would do): 1 (exact) for the plain entry points; the controlled CPU entry points
+    // set it from the control tensor. The CUDA kernels read it from the control tensor on the device.
+    float grad_scale;
 };
 
 inline AdamwCoeffs make_adamw_coeffs(int64_t step, double lr, double beta1, double beta2, double eps,
@@ -46,6 +56,7 @@ inline AdamwCoeffs make_adamw_coeffs(int64_t step, double lr, double beta1, doub
     c.inv_bias_correction2_sqrt = 1.0f / c.bias_correction2_sqrt;
     c.eps = static_cast<float>(eps);
     c.step_size = static_cast<float>(-(lr / bias_correction1));
+    c.grad_scale = 1.0f;
     return c;
 }
 

@@ -1,32 +1,35 @@
-"""``python -m deepspeed_acco.bench``: DeepSpeed ZeRO-1 vs ShardedAdamW, DPU, ACCO and CO2 on real text over a slow link.
+"""``python -m deepspeed_acco.bench``: DeepSpeed ZeRO-1 vs ShardedAdamW, DPU, ACCO and CO2 on real text over slow links.
 
 Trains the same GPT-Neo (built from a config, same initial weights, same data order) with each
-method at equal samples, each as a real multi-rank job started by the ``deepspeed`` launcher (or
-torchrun), inside a private network namespace whose loopback is rate-limited with ``tc tbf``.
-A compute-only run (same processes and batches, no communication) gives the floor. Prints a table
-and writes a CSV of every logged step, a summary CSV/JSON/Markdown and PNG plots to ``--out``.
+method, each as a real multi-rank job started the way a multi-node user starts one (the
+``deepspeed`` launcher with a hostfile and ``--no_ssh --node_rank K`` on every node, or torchrun),
+on emulated nodes: network namespaces whose full-duplex links into a switch are rate-limited with
+``tc tbf`` (``--nodes 1``: one namespace with a shaped loopback, as results before 2026-12-01
+used). A compute-only run (same processes and batches, no communication) gives the floor. It
+reports two tables: every method at equal samples (``--updates``), and, with ``--target-loss``,
+the time each method needs to reach a validation loss (by default DeepSpeed ZeRO-1's after
+``--updates``). CSVs, JSON, Markdown and PNG plots go to ``--out``.
 
-With no arguments (``make demo``) it runs the defaults below in well under 10 minutes on 2 CPU cores.
+With no arguments (``make demo``) it runs the defaults below in under 10 minutes on 2 CPU cores.
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from . import netns
-from .methods import DEFAULT_METHODS, METHODS, engine_available, resolve_methods
+from .jobs import Placement, probe_comm, run_job
+from .methods import BASELINE, DEFAULT_METHODS, METHODS, MODIFIERS, parse_variant, resolve_methods
 from .models import DEFAULT_PRESET, PRESETS
 from .summary import finish, replot
 
 DEFAULT_UPDATES = 50
+MAX_UPDATES_FACTOR = 3  # --max-updates default: 3 x --updates
 
 
 def _gap_penalty(text: str):
@@ -42,23 +45,73 @@ def _gap_penalty(text: str):
     return value
 
 
+def _target_loss(text: str):
+    """``--target-loss``: 'auto', 'none' or a positive number (nats/byte)."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a loss > 0 (nats/byte), got {text!r}")
+    return value
+
+
+def _seeds(text: str) -> List[int]:
+    """``--seeds``: comma-separated non-negative integers, e.g. 0,1,2."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or any(s < 0 for s in seeds):
+        raise argparse.ArgumentTypeError(f"expected comma-separated seeds >= 0 such as 0,1,2, got {text!r}")
+    return list(dict.fromkeys(seeds))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench",
                                 description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("what to compare")
     g.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated, from {', '.join(m for m in METHODS if m != 'compute')}; "
-                        "methods needing deepspeed_acco's engine are skipped (with a note) where it is missing")
+                   help=f"comma-separated, from {', '.join(m for m in METHODS if m != 'compute')}; each may carry "
+                        f"modifiers, METHOD+MODIFIER (e.g. acco+bf16comm): "
+                        + "; ".join(f"{m.name}: {m.help}" for m in MODIFIERS.values()))
     g.add_argument("--no-compute-only", action="store_true", help="skip the compute-only baseline run")
-    g.add_argument("--updates", type=int, default=DEFAULT_UPDATES, help="committed updates per method (equal samples)")
-    g.add_argument("--world-size", type=int, default=2, help="ranks per job")
+    g.add_argument("--updates", type=_positive_int, default=DEFAULT_UPDATES,
+                   help="committed updates per method for the equal-samples table; also the LR schedule's horizon "
+                        "(warm-up, then linear decay to lr/10 at this update) for every method")
+    g.add_argument("--target-loss", type=_target_loss, default="auto",
+                   help="time-to-target: each method trains until its validation loss is at or below this value "
+                        "(nats/byte; 'auto': DeepSpeed ZeRO-1's after --updates in this run, so ZeRO-1 runs first; "
+                        "'none': equal samples only)")
+    g.add_argument("--max-updates", type=_positive_int, default=None,
+                   help=f"with --target-loss: stop a method here if it has not reached the target "
+                        f"(default {MAX_UPDATES_FACTOR} x --updates)")
+    g.add_argument("--eval-every", type=_positive_int, default=None,
+                   help="evaluate the fixed validation windows every N updates (clock paused; default --updates/10)")
+    g.add_argument("--seeds", type=_seeds, default=[0],
+                   help="comma-separated seeds (initial weights and data order): every method runs once per seed and "
+                        "the report gives the validation-loss gap to ZeRO-1 as mean and range over them")
     g.add_argument("--local-steps", type=int, default=12, help="CO2: inner steps between parameter averagings")
-    g.add_argument("--outer-lr", type=float, default=None, help="CO2: outer learning rate (default: the engine's, 1.0)")
+    g.add_argument("--warmup-sync-updates", type=int, default=0,
+                   help="DPU, ACCO, CO2: the first N updates synchronous (ZeRO-1), then the method's own rule")
+    g.add_argument("--outer-lr", type=float, default=None, help="CO2: outer learning rate (default: the engine's, 0.5)")
     g.add_argument("--outer-momentum", type=float, default=None,
-                   help="CO2: outer momentum (default: the engine's, 0.5)")
+                   help="CO2: outer momentum (default: the engine's, 0)")
     g.add_argument("--gap-penalty", default=None, type=_gap_penalty,
-                   help="CO2: a number (constant divisor) or 'adaptive' (default: the engine's, adaptive)")
+                   help="CO2: a number (constant divisor) or 'adaptive' (default: the engine's, 1.0)")
     g.add_argument("--slow-rank", default="", metavar="R:F",
                    help="make rank R's compute F times slower (ACCO then uses dynamic accumulation)")
     g.add_argument("--no-dynamic-accumulation", action="store_true",
@@ -68,37 +121,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ctx", type=int, default=256, help="context length (tokens = bytes)")
     g.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch per rank")
     g.add_argument("--grad-accum", type=int, default=2, help="micro-batches per update per rank (even for ACCO)")
+    g.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="training precision (DeepSpeed's bf16 section: bf16 model, fp32 masters and optimizer "
+                        "states); see docs/bench.md for bf16 vs fp32 speed on CPUs")
     g.add_argument("--lr", type=float, default=1e-3,
-                   help="peak learning rate (1e-3: the best of 5e-4, 1e-3, 2e-3, 3e-3 for DeepSpeed ZeRO-1 at the defaults)")
-    g.add_argument("--warmup", type=int, default=10, help="linear warm-up updates (then linear decay to 0)")
+                   help="peak learning rate (1e-3: the best of 5e-4, 1e-3, 2e-3, 3e-3 for DeepSpeed ZeRO-1 at the "
+                        "fp32 defaults of 2026-11-29)")
+    g.add_argument("--warmup", type=int, default=10, help="linear warm-up updates (then linear decay to lr/10)")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
-    g.add_argument("--bf16", action="store_true", help="bf16 training (DeepSpeed's bf16 section)")
-    g.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     g.add_argument("--data", default=None,
                    help="text file, folder of text files, or Hugging Face dataset name[:config] "
                         "(default: this Python's standard library .py files)")
     g.add_argument("--cache-dir", default="default", help="tokenised-corpus cache (default ~/.cache/deepspeed_acco)")
-    g.add_argument("--eval-points", type=int, default=5, help="validation points per run (plus the initial weights)")
-    g.add_argument("--val-windows", type=int, default=40, help="held-out windows of --ctx bytes per validation")
+    g.add_argument("--val-windows", type=int, default=40, help="fixed held-out windows of --ctx bytes per evaluation")
     g = p.add_argument_group("network and processes")
+    g.add_argument("--nodes", type=_positive_int, default=2,
+                   help="emulated nodes, each a network namespace with its own full-duplex link into a switch; 1: all "
+                        "ranks in one namespace on a shaped loopback (both directions share the rate)")
+    g.add_argument("--ranks-per-node", type=_positive_int, default=1,
+                   help="ranks per node (they talk over the node's unshaped loopback; CO2 then averages gradients "
+                        "inside each node every step: group_size = this)")
     g.add_argument("--bandwidth", default="1gbit",
-                   help="loopback rate inside the private namespace (tc tbf), e.g. 1gbit, 300mbit; none: no shaping")
+                   help="link rate, e.g. 1gbit, 300mbit (tc tbf; per node and direction with --nodes >= 2, the "
+                        "loopback's total with --nodes 1); none: no shaping")
     g.add_argument("--sweep-bandwidth", default="", metavar="LIST",
                    help="comma-separated rates: run every method at each and plot speedup vs bandwidth")
-    g.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    g.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
+                   help="deepspeed: hostfile + --no_ssh --node_rank per node; torchrun: c10d rendezvous per node")
     g.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    g.add_argument("--run-timeout", type=float, default=0, help="seconds per job (0: 120 + 20 x updates)")
+    g.add_argument("--run-timeout", type=float, default=0, help="seconds per job (0: 120 + 20 x updates run)")
     g.add_argument("--no-comm-probe", action="store_true",
                    help="skip timing the collectives of one update round on each shaped link")
-    g.add_argument("--repeat", type=int, default=1,
+    g.add_argument("--repeat", type=_positive_int, default=1,
                    help="run every job N times, interleaved (rotating the order), and report median timings")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="", help="output folder (default bench_out/<UTC time>)")
     g.add_argument("--no-progress", action="store_true", help="one line per run instead of progress bars")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--replot", metavar="DIR", default="",
-                   help="rebuild the table, CSVs and plots of an earlier output folder from its logs (runs nothing)")
+                   help="rebuild the tables, CSVs and plots of an earlier output folder from its logs (runs nothing)")
     return p
 
 
@@ -106,41 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
 # Jobs
 
 
-def _package_root() -> str:
-    import deepspeed_acco
-    return os.path.dirname(os.path.dirname(os.path.abspath(deepspeed_acco.__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child_env(args) -> dict:
-    env = dict(os.environ)
-    root = _package_root()
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = str(args.threads)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # DeepSpeed JIT-builds a small shared-memory op in every initialize on CPU. A private build folder
-    # keeps other DeepSpeed users of this machine (with other compiler flags) from forcing rebuilds.
-    if not env.get("TORCH_EXTENSIONS_DIR"):
-        from .data import default_cache_dir
-        env["TORCH_EXTENSIONS_DIR"] = os.path.join(default_cache_dir(), "torch_extensions")
-    return env
-
-
-def worker_args(args, method: str, run_dir: str) -> List[str]:
+def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: Optional[float] = None) -> List[str]:
+    """The command line of :mod:`.train` for one run of ``method`` (a variant name) with ``seed``."""
     dyn = bool(args.slow_rank) and not args.no_dynamic_accumulation
     out = ["--method", method, "--run-dir", run_dir, "--model", args.model, "--ctx", str(args.ctx),
            "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
-           "--updates", str(args.updates), "--lr", repr(args.lr), "--warmup", str(args.warmup),
-           "--weight-decay", repr(args.weight_decay), "--clip", repr(args.clip), "--seed", str(args.seed),
-           "--local-steps", str(args.local_steps), "--cache-dir", args.cache_dir or "",
-           "--val-windows", str(args.val_windows), "--eval-points", str(args.eval_points),
-           "--threads", str(args.threads)]
+           "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--precision", args.precision,
+           "--lr", repr(args.lr), "--warmup", str(args.warmup), "--weight-decay", repr(args.weight_decay),
+           "--clip", repr(args.clip), "--seed", str(seed), "--local-steps", str(args.local_steps),
+           "--warmup-sync-updates", str(args.warmup_sync_updates), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
+    if target_loss is not None:
+        out += ["--target-loss", repr(float(target_loss)), "--max-updates", str(args.max_updates)]
+    base = method.split("+")[0]
+    if base == "co2" and args.ranks_per_node > 1:
+        out += ["--group-size", str(args.ranks_per_node)]
     for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum),
                         ("--gap-penalty", args.gap_penalty)):
         if value is not None:
@@ -149,42 +190,9 @@ def worker_args(args, method: str, run_dir: str) -> List[str]:
         out += ["--data", args.data]
     if args.slow_rank:
         out += ["--slow-rank", args.slow_rank]
-    if dyn and method == "acco":
+    if dyn and base == "acco":
         out.append("--dynamic-accumulation")
-    if args.bf16:
-        out.append("--bf16")
     return out
-
-
-def launcher_cmd(args, port: int) -> List[str]:
-    if args.launcher == "deepspeed":
-        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.world_size),
-                "--master_port", str(port), "--module", "deepspeed_acco.bench.train"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
-            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "deepspeed_acco.bench.train"]
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Terminate the job's process group (the launcher and its ranks; started in a new session)."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _loadavg() -> Optional[float]:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
 
 
 def _busy_cores(seconds: float = 1.0) -> Optional[float]:
@@ -198,95 +206,13 @@ def _busy_cores(seconds: float = 1.0) -> Optional[float]:
     return (b[0] - a[0] + b[1] - a[1]) / seconds
 
 
-def _busy_warning(args) -> Optional[str]:
+def _busy_warning(world_size: int) -> Optional[str]:
     """A warning when other work is running: the bench's own ranks need the cores to themselves."""
     busy, cores = _busy_cores(), os.cpu_count() or 1
     if busy is not None and busy > 0.3:
         return (f"WARNING: other processes keep {busy:.1f} of the {cores} cores busy before the bench starts; they "
-                f"compete with the {args.world_size} ranks, so timings will be noisy (each run reports it below).")
+                f"compete with the {world_size} ranks, so timings will be noisy (each run reports it below).")
     return None
-
-
-def _count_rows(path: str):
-    try:
-        with open(path) as f:
-            lines = [line for line in f if line.endswith("\n")]
-    except OSError:
-        return 0, None
-    last = None
-    if lines:
-        try:
-            last = json.loads(lines[-1])
-        except ValueError:
-            pass
-    return len(lines), last
-
-
-# Inside a shaped namespace, NCCL (GPU jobs) must talk over TCP on the namespace's loopback, not
-# through shared memory or peer-to-peer copies, which would bypass the emulated link.
-NCCL_OVER_LOOPBACK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
-                      "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
-
-
-def run_job(args, method: str, run_dir: str, ns: Optional[netns.Namespace], desc: str) -> bool:
-    """Run one method as a multi-rank job; True on success. Shows progress from rank 0's log."""
-    os.makedirs(run_dir, exist_ok=True)
-    port = 29500 if ns is not None else _free_port()
-    cmd = launcher_cmd(args, port) + worker_args(args, method, run_dir)
-    if ns is not None:
-        cmd = ns.prefix() + cmd
-    with open(os.path.join(run_dir, "command.txt"), "w") as f:
-        f.write(shlex.join(cmd) + "\n")
-    timeout = args.run_timeout or (120 + 20 * args.updates)
-    log_path = os.path.join(run_dir, "launcher.log")
-    rows_path = os.path.join(run_dir, "rank0.jsonl")
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=args.updates, desc=f"{desc:<28}", unit="upd", dynamic_ncols=True, leave=True)
-        bar.set_postfix_str("starting ranks")
-    t_start = time.time()
-    load_before = _loadavg()
-    with open(log_path, "w") as log:
-        env = _child_env(args)
-        if ns is not None:
-            env.update(NCCL_OVER_LOOPBACK)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=_package_root())
-        try:
-            seen = 0
-            while proc.poll() is None:
-                time.sleep(0.5)
-                if bar is not None:
-                    n, last = _count_rows(rows_path)
-                    if n > seen:
-                        bar.update(n - seen)
-                        seen = n
-                        if last is not None:
-                            bar.set_postfix_str(f"loss {last['loss']:.3f}, {last['wall_s']:.0f} s")
-                    elif n == seen and seen >= args.updates:
-                        bar.set_postfix_str("validating copies")
-                if time.time() - t_start > timeout:
-                    print(f"\n{desc}: timed out after {timeout:.0f} s; stopping it", file=sys.stderr)
-                    _kill_group(proc)
-                    break
-        finally:
-            _kill_group(proc)
-            if bar is not None:
-                bar.close()
-    with open(os.path.join(run_dir, "job.json"), "w") as f:
-        json.dump(dict(returncode=proc.returncode, job_s=time.time() - t_start, loadavg_before=load_before,
-                       loadavg_after=_loadavg(), command=cmd), f, indent=1)
-    ok = proc.returncode == 0 and os.path.exists(os.path.join(run_dir, "rank0.summary.json"))
-    if not ok:
-        with open(log_path, errors="replace") as f:
-            tail = f.read()[-3000:]
-        print(f"\n{desc}: FAILED (exit code {proc.returncode}); last lines of {log_path}:\n{tail}\n", file=sys.stderr)
-    elif args.no_progress:
-        n, last = _count_rows(rows_path)
-        print(f"{desc:<28} {n} updates, train wall {last['wall_s']:.1f} s, loss {last['loss']:.3f} "
-              f"(job {time.time() - t_start:.0f} s incl. start-up)", flush=True)
-    return ok
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +253,130 @@ def _install_sigterm():
         pass
 
 
+def check_args(args, methods: List[str]) -> None:
+    """Refuse inconsistent options before anything starts (SystemExit naming the flag and the fix)."""
+    if "acco" in [m.split("+")[0] for m in methods] and args.grad_accum % 2 \
+            and not (args.slow_rank and not args.no_dynamic_accumulation):
+        raise SystemExit(f"--grad-accum: ACCO splits each update's micro-batches in two halves, so it must be even "
+                         f"(got {args.grad_accum}) unless ACCO runs with dynamic accumulation (--slow-rank)")
+    if args.slow_rank:
+        from .train import parse_slow_rank
+        try:
+            r, _ = parse_slow_rank(args.slow_rank)
+        except ValueError as exc:
+            raise SystemExit(str(exc))
+        if r >= args.nodes * args.ranks_per_node:
+            raise SystemExit(f"--slow-rank {args.slow_rank}: rank {r} does not exist ({args.nodes} node(s) x "
+                             f"{args.ranks_per_node} rank(s))")
+    if args.nodes > netns.MAX_NODES:
+        raise SystemExit(f"--nodes: at most {netns.MAX_NODES} emulated nodes, got {args.nodes}")
+    if args.target_loss == "auto" and BASELINE not in methods:
+        raise SystemExit(f"--target-loss auto is DeepSpeed ZeRO-1's validation loss after --updates: add {BASELINE} "
+                         f"to --methods, give a loss value, or pass --target-loss none")
+    if args.max_updates is not None and args.max_updates < args.updates:
+        raise SystemExit(f"--max-updates ({args.max_updates}) must be >= --updates ({args.updates})")
+    if args.eval_every is None:
+        args.eval_every = max(1, round(args.updates / 10))
+    if args.max_updates is None:
+        args.max_updates = MAX_UPDATES_FACTOR * args.updates
+    if args.target_loss is None:
+        args.max_updates = args.updates
+
+
+def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
+    """Our methods whose config deepspeed_acco refuses (e.g. a modifier the engine does not support
+    yet), with the engine's message; checked before any job starts, with the engine's own parser."""
+    from deepspeed_acco.config import parse_config
+
+    from .methods import ds_config
+    from .train import co2_options
+    world = args.nodes * args.ranks_per_node
+    out = {}
+    for m in methods:
+        if not parse_variant(m).method.ours:
+            continue
+        cfg = ds_config(m, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum, lr=args.lr,
+                        total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+                        local_steps=args.local_steps, bf16=args.precision == "bf16",
+                        warmup_sync_updates=args.warmup_sync_updates,
+                        co2_options=co2_options(argparse.Namespace(
+                            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                            gap_penalty=None if args.gap_penalty is None else str(args.gap_penalty),
+                            group_size=args.ranks_per_node if m.split("+")[0] == "co2" else 1)),
+                        dynamic_accumulation=bool(args.slow_rank) and not args.no_dynamic_accumulation)
+        try:
+            parse_config(cfg, world_size=world)
+        except ValueError as exc:
+            out[m] = str(exc)
+    return out
+
+
+class Network:
+    """The emulated network of one link rate, created on entry and removed on exit."""
+
+    def __init__(self, args, bps: Optional[float], shaping_ok: bool, force_private: bool):
+        self.args, self.bps = args, bps
+        self.cluster = self.namespace = None
+        if shaping_ok and args.nodes >= 2:
+            self.cluster = netns.Cluster(args.nodes, bps)
+        elif shaping_ok and (bps is not None or force_private):
+            self.namespace = netns.Namespace(bps)
+        nodes = args.nodes if self.cluster is not None else 1
+        ranks = args.ranks_per_node if self.cluster is not None else args.nodes * args.ranks_per_node
+        self.placement = Placement(nodes, ranks, cluster=self.cluster, namespace=self.namespace)
+
+    def __enter__(self):
+        for net in (self.cluster, self.namespace):
+            if net is not None:
+                net.create()
+        return self
+
+    def __exit__(self, *exc):
+        for net in (self.cluster, self.namespace):
+            if net is not None:
+                net.delete()
+
+    def measure(self, threads: int) -> dict:
+        """The link as the ranks get it: bulk TCP transfer rates, and the qdisc."""
+        from .jobs import child_env
+        env = child_env(threads)
+        if self.cluster is not None:
+            m = netns.measure_cluster(self.cluster, 1.0, env=env)
+            return dict(topology="cluster", nodes=self.args.nodes, ranks_per_node=self.args.ranks_per_node,
+                        nominal_bps=self.bps, measured_bps=m["one_way_bps"], duplex_bps=m["duplex_bps"],
+                        qdisc=self.cluster.qdisc())
+        if self.namespace is not None:
+            return dict(topology="loopback", nominal_bps=self.bps, qdisc=self.namespace.qdisc(),
+                        measured_bps=netns.measure_rate(self.namespace, 1.0, env=env))
+        return dict(topology="host", nominal_bps=None, qdisc="host loopback",
+                    measured_bps=netns.measure_rate(None, 1.0, env=env))
+
+    @staticmethod
+    def describe(link: dict, label: str) -> str:
+        if link["topology"] == "cluster":
+            shaped = (f"each with a full-duplex link shaped with tc tbf to {label} per direction (node egress and "
+                      f"switch port)" if link["nominal_bps"] else "each with an unshaped veth link")
+            return (f"link: {link['nodes']} emulated nodes x {link['ranks_per_node']} rank(s), {shaped}; bulk TCP "
+                    f"transfer node 1 -> node 0 measured {link['measured_bps'] / 1e6:.0f} Mbit/s, both directions at "
+                    f"once {link['duplex_bps'][0] / 1e6:.0f} + {link['duplex_bps'][1] / 1e6:.0f} Mbit/s")
+        if link["topology"] == "loopback" and link["nominal_bps"]:
+            return (f"link: one namespace, loopback shaped with tc tbf to {label}; bulk TCP transfer measured "
+                    f"{link['measured_bps'] / 1e6:.0f} Mbit/s (shared by both directions)")
+        return (f"link: {'namespace' if link['topology'] == 'loopback' else 'host'} loopback, unshaped, bulk TCP "
+                f"transfer {link['measured_bps'] / 1e9:.1f} Gbit/s")
+
+
+def _run_sub(label: str, many_rates: bool, method: str, seeds: List[int], seed: int, rep_tag: str) -> str:
+    """A run's folder under runs/: [rate/]method[/seed<S>][/rep<i>]."""
+    parts = [label.replace(" ", "").replace("/", "p")] if many_rates else []
+    parts.append(method)
+    if len(seeds) > 1:
+        parts.append(f"seed{seed}")
+    if rep_tag:
+        parts.append(rep_tag)
+    return os.path.join(*parts)
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -336,43 +386,32 @@ def main(argv=None) -> int:
         return replot(os.path.abspath(args.replot))
     _install_sigterm()
     methods = resolve_methods(args.methods)
-    if args.updates < 1 or args.world_size < 1 or args.repeat < 1:
-        raise SystemExit("--updates, --world-size and --repeat must be >= 1")
-    if not engine_available():
-        ours = [m for m in methods if METHODS[m].ours]
-        if ours:
-            print(f"NOTE: this checkout has no deepspeed_acco engine (deepspeed_acco/runtime) yet; skipping "
-                  f"{', '.join(METHODS[m].label for m in ours)}.", flush=True)
-            methods = [m for m in methods if not METHODS[m].ours]
-    if "acco" in methods and args.grad_accum % 2 and not (args.slow_rank and not args.no_dynamic_accumulation):
-        raise SystemExit(f"ACCO splits each update's micro-batches in two halves: --grad-accum must be even "
-                         f"(got {args.grad_accum}) unless it runs with dynamic accumulation (--slow-rank)")
-    if args.slow_rank:
-        from .train import parse_slow_rank
-        try:
-            r, _ = parse_slow_rank(args.slow_rank)
-        except ValueError as exc:
-            raise SystemExit(str(exc))
-        if r >= args.world_size:
-            raise SystemExit(f"--slow-rank {args.slow_rank}: rank {r} does not exist (world size {args.world_size})")
     if not methods and args.no_compute_only:
-        raise SystemExit("nothing to run")
+        raise SystemExit("nothing to run: --methods is empty and --no-compute-only is set")
+    check_args(args, methods)
+    if args.target_loss == "auto":  # ZeRO-1 first: its loss is the others' target
+        methods = [BASELINE] + [m for m in methods if m != BASELINE]
 
     try:
         rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
             if args.sweep_bandwidth else [netns.parse_bandwidth(args.bandwidth)]
     except ValueError as exc:
-        raise SystemExit(str(exc))
+        raise SystemExit(f"--bandwidth/--sweep-bandwidth: {exc}")
     shaping_ok, why = netns.supported()
-    if any(r is not None for r in rates) and not shaping_ok:
-        print(f"WARNING: cannot emulate a slow link here ({why}); running UNSHAPED over the host loopback. "
-              f"The timings then show compute overheads only, not the network.", flush=True)
+    if not shaping_ok and (args.nodes > 1 or any(r is not None for r in rates)):
+        print(f"WARNING: cannot emulate nodes or slow links here ({why}); running all "
+              f"{args.nodes * args.ranks_per_node} ranks UNSHAPED over the host loopback. The timings then show "
+              f"compute overheads only, not the network.", flush=True)
         rates = [None]
     if shaping_ok:
         orphans = netns.remove_orphans()
         if orphans:
-            print(f"removed {len(orphans)} namespace(s) left by an earlier bench that was killed: "
-                  f"{', '.join(orphans)}", flush=True)
+            print(f"removed {len(orphans)} namespace(s) (and what ran in them) left by an earlier bench that was "
+                  f"killed: {', '.join(orphans)}", flush=True)
+    refused = refused_by_engine(args, methods)
+    for m, why_refused in refused.items():
+        print(f"skipping {parse_variant(m).label}: deepspeed_acco refuses its config: {why_refused}", flush=True)
+    methods = [m for m in methods if m not in refused]
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = os.path.abspath(args.out or os.path.join("bench_out", stamp))
@@ -381,127 +420,122 @@ def main(argv=None) -> int:
     from .data import load_corpus
     from .models import build_model, count_parameters
     corpus = load_corpus(args.data, cache_dir=args.cache_dir or None)  # build the cache once, before the ranks
-    n_params = count_parameters(build_model(args.model, args.ctx, args.seed))
+    n_params = count_parameters(build_model(args.model, args.ctx, args.seeds[0]))
     info = machine_info()
-    tbs = args.micro_batch * args.grad_accum * args.world_size
+    world = args.nodes * args.ranks_per_node
+    tbs = args.micro_batch * args.grad_accum * world
+    target_text = {None: "none (equal samples only)", "auto": f"auto (DeepSpeed ZeRO-1's validation loss after "
+                   f"{args.updates} updates)"}.get(args.target_loss, f"{args.target_loss}")
     print(f"deepspeed-acco bench -> {out}\n"
-          f"  model: GPT-Neo '{args.model}', {n_params:,} parameters, ctx {args.ctx}, byte vocabulary\n"
+          f"  model: GPT-Neo '{args.model}', {n_params:,} parameters, ctx {args.ctx}, byte vocabulary, "
+          f"{args.precision}\n"
           f"  data: {corpus.describe()}\n"
-          f"  batch: {args.world_size} ranks x micro-batch {args.micro_batch} x accumulation {args.grad_accum} "
-          f"= {tbs} samples/update; {args.updates} updates = {args.updates * tbs} samples per method\n"
+          f"  batch: {args.nodes} node(s) x {args.ranks_per_node} rank(s) x micro-batch {args.micro_batch} x "
+          f"accumulation {args.grad_accum} = {tbs} samples/update; {args.updates} updates = {args.updates * tbs} "
+          f"samples per method (equal samples)\n"
+          f"  time to target: {target_text}" + (f"; evaluated every {args.eval_every} updates, at most "
+                                                f"{args.max_updates} updates" if args.target_loss is not None else
+                                                f"; evaluated every {args.eval_every} updates") + "\n"
+          f"  seeds: {', '.join(map(str, args.seeds))}\n"
           f"  machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, deepspeed {info['deepspeed']}; "
           f"{args.threads} thread(s) per rank; launcher: {args.launcher}", flush=True)
-    busy = _busy_warning(args)
+    busy = _busy_warning(world)
     if busy:
         print(busy, flush=True)
 
     from . import report
-    results, failed, link = [], [], {}
+    results, failed = [], []
     meta = dict(command="python -m deepspeed_acco.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
                 date_utc=stamp, machine=info, n_params=n_params, corpus=corpus.describe(), args=vars(args),
-                link={}, busy_warning=busy)
+                link={}, busy_warning=busy, runs=[], targets={}, refused=refused)
     by_key = {}
+    timeout = args.run_timeout or (120 + 20 * args.max_updates)
 
-    def collect(run_dir, method, label, bps):
-        r = report.load_run(run_dir, method, label, bps)
-        if (method, label) in by_key:
-            by_key[(method, label)].reps.append(r)
+    def collect(run_dir, method, label, bps, seed, rep):
+        meta["runs"].append(dict(dir=os.path.relpath(run_dir, out), method=method, bandwidth=label, bps=bps,
+                                 seed=seed, rep=rep))
+        r = report.load_run(run_dir, method, label, bps, seed=seed)
+        key = (method, label, seed)
+        if key in by_key:
+            by_key[key].reps.append(r)
         else:
-            by_key[(method, label)] = r
+            by_key[key] = r
             results.append(r)
+        return r
 
     try:
-        for rep in range(max(1, args.repeat)):
+        for rep in range(args.repeat):
             tag = "" if args.repeat <= 1 else f"rep{rep}"
             rtag = "" if args.repeat <= 1 else f" (run {rep + 1}/{args.repeat})"
             if not args.no_compute_only:
                 run_dir = os.path.join(out, "runs", "compute", tag)
-                if run_job(args, "compute", run_dir, None, METHODS["compute"].label + rtag):
-                    collect(run_dir, "compute", "no communication", None)
+                host = Placement(1, world)
+                if run_job(host, args.launcher, worker_args(args, "compute", run_dir, seed=args.seeds[0]), run_dir,
+                           METHODS["compute"].label + rtag, threads=args.threads, timeout_s=timeout,
+                           progress_total=args.updates, show_progress=not args.no_progress):
+                    collect(run_dir, "compute", "no communication", None, args.seeds[0], rep)
                 else:
                     failed.append("compute")
             for bps in rates:
                 label = netns.format_bandwidth(bps)
-                ns = None
-                if bps is not None or (shaping_ok and len(rates) > 1):
-                    ns = netns.Namespace(bps).create()
-                try:
-                    measured = netns.measure_rate(ns, 1.0, env=_child_env(args)) if ns is not None else None
-                    if label not in link:
-                        link[label] = measured
-                        meta["link"][label] = dict(nominal_bps=bps, measured_bps=measured, measured_all=[],
-                                                   qdisc=ns.qdisc() if ns is not None else "host loopback")
-                    meta["link"][label]["measured_all"].append(measured)
-                    if ns is not None and bps is not None:
-                        print(f"link: namespace {ns.name}, loopback shaped with tc tbf to {label}; "
-                              f"bulk TCP transfer measured {measured / 1e6:.0f} Mbit/s "
-                              f"(shared by both directions)", flush=True)
-                    else:
-                        print(f"link: {'namespace' if ns else 'host'} loopback, unshaped" +
-                              (f", bulk TCP transfer {measured / 1e9:.1f} Gbit/s" if measured else ""), flush=True)
-                    if ns is not None and bps is not None and not args.no_comm_probe \
+                with Network(args, bps, shaping_ok, force_private=len(rates) > 1) as net:
+                    link = net.measure(args.threads)
+                    if label not in meta["link"]:
+                        meta["link"][label] = dict(link, measured_all=[])
+                        print(Network.describe(link, label), flush=True)
+                    meta["link"][label]["measured_all"].append(link["measured_bps"])
+                    if net.placement.private_network and bps is not None and not args.no_comm_probe \
                             and "probe" not in meta["link"][label]:
-                        probe = probe_comm(args, ns, n_params, os.path.join(
-                            out, f"commprobe_{label.replace(' ', '').replace('/', 'p')}.json"))
+                        probe = probe_comm(net.placement, n_params, os.path.join(
+                            out, f"commprobe_{label.replace(' ', '').replace('/', 'p')}.json"), args.threads,
+                            param_dtype=args.precision)
                         meta["link"][label]["probe"] = probe
                         if probe:
-                            print(f"comm probe ({probe['backend']}, {args.world_size} ranks, {n_params / 1e6:.2f}M "
+                            print(f"comm probe ({probe['backend']}, {net.placement.describe()}, {n_params / 1e6:.2f}M "
                                   f"fp32): reduce-scatter + all-gather {1000 * probe['round_s']:.0f} ms, all-reduce "
                                   f"{1000 * probe['all_reduce_s']:.0f} ms, reduce-scatter "
                                   f"{1000 * probe['reduce_scatter_s']:.0f} ms, all-gather "
                                   f"{1000 * probe['all_gather_s']:.0f} ms; our engine's round "
                                   f"{1000 * probe['engine_round_s']:.0f} ms", flush=True)
-                    k = rep % max(1, len(methods))
-                    for method in methods[k:] + methods[:k]:  # rotate the order between repeats
-                        sub = method if len(rates) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"),
-                                                                          method)
-                        run_dir = os.path.join(out, "runs", sub, tag)
-                        desc = METHODS[method].label + ("" if len(rates) == 1 else f" @{label}") + rtag
-                        if run_job(args, method, run_dir, ns, desc):
-                            collect(run_dir, method, label, bps)
-                        else:
-                            failed.append(f"{method}@{label}" + (f"#{rep}" if tag else ""))
-                finally:
-                    if ns is not None:
-                        ns.delete()
+                    for seed in args.seeds:
+                        order = methods if rep == 0 else methods[rep % len(methods):] + methods[:rep % len(methods)]
+                        targets = meta["targets"].setdefault(label, {})
+                        for method in order:
+                            sub = _run_sub(label, len(rates) > 1, method, args.seeds, seed, tag)
+                            run_dir = os.path.join(out, "runs", sub)
+                            target = args.target_loss
+                            if target == "auto":
+                                target = None if method == BASELINE else targets.get(str(seed))
+                            elif target is not None:
+                                targets[str(seed)] = target
+                            desc = (parse_variant(method).label + ("" if len(rates) == 1 else f" @{label}")
+                                    + ("" if len(args.seeds) == 1 else f" seed {seed}") + rtag)
+                            total = args.updates if target is None else args.max_updates
+                            if run_job(net.placement, args.launcher,
+                                       worker_args(args, method, run_dir, seed=seed, target_loss=target), run_dir,
+                                       desc, threads=args.threads, timeout_s=timeout, progress_total=total,
+                                       show_progress=not args.no_progress):
+                                r = collect(run_dir, method, label, bps, seed, rep)
+                                if args.target_loss == "auto" and method == BASELINE and str(seed) not in targets:
+                                    targets[str(seed)] = r.val.get(args.updates)
+                                    print(f"target: DeepSpeed ZeRO-1's validation loss after {args.updates} updates "
+                                          f"= {targets[str(seed)]:.4f}" + ("" if len(args.seeds) == 1 else
+                                                                           f" (seed {seed})"), flush=True)
+                            else:
+                                failed.append(f"{method}@{label}" + (f"/seed{seed}" if len(args.seeds) > 1 else "")
+                                              + (f"#{rep}" if tag else ""))
+                                if args.target_loss == "auto" and method == BASELINE and str(seed) not in targets:
+                                    print("note: DeepSpeed ZeRO-1 failed, so there is no target for the other "
+                                          "methods; they run to --updates only", flush=True)
     except KeyboardInterrupt:
-        print("\ninterrupted: stopped the running job and removed the namespace", file=sys.stderr)
+        print("\ninterrupted: stopped the running job and removed the emulated network", file=sys.stderr)
         netns.cleanup_all()
         return 130
     finally:
         netns.cleanup_all()
 
-    finish(args, out, results, failed, meta, link, n_params, rates)
+    finish(args, out, results, failed, meta, rates)
     return 1 if failed else 0
-
-
-def probe_comm(args, ns: Optional[netns.Namespace], n_params: int, out_path: str) -> Optional[dict]:
-    """Run :mod:`.commprobe` as a W-rank job on the link (torchrun); None (with a note) if it fails."""
-    port = 29501 if ns is not None else _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
-           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "deepspeed_acco.bench.commprobe",
-           "--numel", str(n_params), "--out", out_path]
-    if ns is not None:
-        cmd = ns.prefix() + cmd
-    env = _child_env(args)
-    if ns is not None:
-        env.update(NCCL_OVER_LOOPBACK)
-    log_path = out_path + ".log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=_package_root())
-        try:
-            proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            _kill_group(proc)
-    if proc.returncode != 0 or not os.path.exists(out_path):
-        print(f"note: the collective probe failed (see {log_path}); the report uses the ideal link time only",
-              flush=True)
-        return None
-    with open(out_path) as f:
-        return json.load(f)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,13 @@ rank: times ``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tens
 values (the model), and a reduce-scatter followed by an all-gather: the communication round of a
 ZeRO-1-style optimizer, once with torch's collectives and once as our engine's communicator runs
 it (``engine_round_s``) (ShardedAdamW, DPU, ACCO run one or two per update; DeepSpeed's ZeRO-1 on
-CPU runs an all-reduce plus an all-gather). Rank 0 writes the best of ``--repeats`` timings, in
-seconds, as JSON. The bench runs it once per link so its report can say what one round really
-costs, next to the ideal ``bytes / link rate``.
+CPU runs an all-reduce plus an all-gather). With ``--param-dtype bf16`` (bf16 training) it also
+times torch's all-reduce and all-gather in bf16 (``*_model_dtype_s``: DeepSpeed's default under
+bf16) and our engine's round as bf16 training runs it (fp32 gradients reduce-scattered, bf16
+parameters gathered: ``engine_round_model_dtype_s``) and with ``communication_data_type`` bf16
+(``engine_round_bf16comm_s``). Rank 0 writes the best of ``--repeats`` timings, in seconds, as
+JSON. The bench runs it once per network so its report can say what one round really costs, next
+to the ideal ``bytes / link rate``.
 """
 import argparse
 import json
@@ -21,6 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--numel", type=int, required=True)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the model's dtype (what the parameter all-gather moves)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -62,6 +68,15 @@ def main(argv=None) -> int:
     comm = Communicator(dist.group.WORLD, rank, world, "probe", backend=dist.get_backend())
     out["engine_reduce_scatter_s"] = timed(lambda: comm.reduce_scatter(shard, x))
     out["engine_round_s"] = timed(lambda: (comm.reduce_scatter(shard, x), comm.all_gather(full, shard)))
+    if args.param_dtype == "bf16":
+        xb, shard_b, full_b = x.to(torch.bfloat16), shard.to(torch.bfloat16), full.to(torch.bfloat16)
+        # DeepSpeed communicates in the model's dtype by default.
+        out["all_reduce_model_dtype_s"] = timed(lambda: dist.all_reduce(xb))
+        out["all_gather_model_dtype_s"] = timed(lambda: dist.all_gather_into_tensor(full_b, shard_b))
+        out["engine_round_model_dtype_s"] = timed(lambda: (comm.reduce_scatter(shard, x),
+                                                           comm.all_gather(full_b, shard_b)))
+        out["engine_round_bf16comm_s"] = timed(lambda: (comm.reduce_scatter(shard_b, xb),
+                                                        comm.all_gather(full_b, shard_b)))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -4,9 +4,15 @@ Every method gets the same batch sizes, learning-rate schedule, AdamW hyper-para
 gradient clipping; only the optimizer type (and ZeRO stage for DeepSpeed's own) differs.
 ``train_batch_size`` is the number of samples per committed update (CO2: per inner step), so
 equal update counts mean equal samples.
+
+A method can carry modifiers, ``METHOD+MODIFIER[+MODIFIER...]`` (``acco+bf16comm``): each is one
+entry of :data:`MODIFIERS`, a piece of DeepSpeed config merged into the method's (plus the bytes per
+value it makes the communication move, for the bound). Adding a modifier is adding one entry.
 """
+import copy
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -15,7 +21,7 @@ class Method:
     label: str                # table / plot label
     optimizer: Optional[str]  # DeepSpeed optimizer type; None for the compute-only baseline
     zero_stage: Optional[int] = None
-    ours: bool = False        # needs deepspeed_acco's engine
+    ours: bool = False        # runs on deepspeed_acco's engine (else DeepSpeed's own)
     comm_jobs: float = 1.0    # k in the bound max(T_compute, k * T_comm): communication rounds per update
                               # that must fit under compute (CO2: 1 / local_steps, set at run time)
     overlapped: bool = False  # whether the method can hide communication behind compute at all
@@ -35,23 +41,126 @@ BASELINE = "zero1"
 MIN_LR_FRACTION = 0.1  # warm up from, and decay to, lr / 10 (DeepSpeed's first two updates run at the minimum)
 
 
-def engine_available() -> bool:
-    """Whether this copy of deepspeed_acco has its engine (``deepspeed_acco/runtime/initialize.py``
-    inside the imported package; an editable install of another checkout does not count)."""
-    import os
+@dataclass(frozen=True)
+class Modifier:
+    """A change to a method's DeepSpeed config, written ``METHOD+NAME`` in ``--methods`` (e.g.
+    ``acco+bf16comm``). ``config`` is merged into the method's config (nested sections merged key by
+    key); ``gradient_bytes`` / ``parameter_bytes``, where set, are the bytes per value the gradient
+    reduce-scatter / parameter all-gather then move (for the bound)."""
+    name: str
+    label: str
+    config: dict
+    gradient_bytes: Optional[float] = None
+    parameter_bytes: Optional[float] = None
+    help: str = ""
+    not_for_deepspeed: str = ""  # why DeepSpeed's own methods cannot take it (empty: they can)
+    only_for: str = ""  # the one method it applies to (empty: any)
+    co2_overlap_steps: Optional[int] = None  # CO2: inner steps its outer job must fit in (the bound)
 
-    import deepspeed_acco
-    pkg = os.path.dirname(os.path.abspath(deepspeed_acco.__file__))
-    return os.path.isfile(os.path.join(pkg, "runtime", "initialize.py"))
+
+_ZERO_PLUS_PLUS_ONLY_STAGE_3 = ("DeepSpeed honours zero_quantized_gradients/_weights only with ZeRO stage 3, so its "
+                                "ZeRO-1/stage 0 would run uncompressed")
+MODIFIERS: Dict[str, Modifier] = {m.name: m for m in (
+    Modifier("bf16comm", "bf16 comm", {"communication_data_type": "bf16"}, gradient_bytes=2,
+             help="reduce(-scatter) the gradients in bf16 (communication_data_type)"),
+    Modifier("fp32comm", "fp32 comm", {"communication_data_type": "fp32"}, gradient_bytes=4,
+             help="reduce(-scatter) the gradients in fp32 (DeepSpeed's default under bf16 is bf16)"),
+    # ZeRO++'s key names: block-quantised gradients and parameter deltas (docs/kernels.md). Bytes per
+    # value: the codes plus one fp32 scale per block of 128 (runtime.compression.QuantizationFormat,
+    # not imported here to keep the bench's command line free of torch).
+    Modifier("q8", "int8 comm", {"zero_optimization": {"zero_quantized_gradients": True,
+                                                       "zero_quantized_weights": True}},
+             gradient_bytes=1 + 4 / 128, parameter_bytes=1 + 4 / 128,
+             help="int8 gradient reduce-scatter and parameter-delta all-gather (zero_quantized_gradients/_weights)",
+             not_for_deepspeed=_ZERO_PLUS_PLUS_ONLY_STAGE_3),
+    # CO2's eager mode (docs/design.md 3.5): the anchor is merged one inner step into the next
+    # round, so the averaging must fit under one inner step rather than a whole round.
+    Modifier("eager", "eager (H=1)", {"optimizer": {"params": {"anchor_merge_steps": 1}}},
+             help="CO2 only: anchor_merge_steps 1 (replicas keep their progress; the average is merged one "
+                  "inner step into the next round)", only_for="co2", co2_overlap_steps=1),
+    Modifier("q4", "int4 comm", {"zero_optimization": {"zero_quantized_gradients": True,
+                                                       "zero_quantized_weights": True},
+                                 "optimizer": {"params": {"quantization_bits": 4}}},
+             gradient_bytes=0.5 + 4 / 128, parameter_bytes=0.5 + 4 / 128,
+             help="int4 gradient reduce-scatter and parameter-delta all-gather (quantization_bits 4)",
+             not_for_deepspeed=_ZERO_PLUS_PLUS_ONLY_STAGE_3),
+)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A method with zero or more modifiers: what one bench run trains with."""
+    method: Method
+    modifiers: Tuple[Modifier, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return "+".join([self.method.name] + [m.name for m in self.modifiers])
+
+    @property
+    def label(self) -> str:
+        return " + ".join([self.method.label] + [m.label for m in self.modifiers])
+
+    def comm_bytes(self, precision: str) -> Tuple[float, float]:
+        """Bytes per value of (gradient reduce-scatter, parameter all-gather) in one round.
+
+        DeepSpeed communicates gradients in the model's dtype unless ``communication_data_type`` says
+        otherwise; deepspeed_acco's engine reduces them in fp32 by default (docs/design.md, 3.6). Parameters
+        are gathered in the model's dtype by both."""
+        model = 2.0 if precision == "bf16" else 4.0
+        grad, param = (4.0 if self.method.ours else model), model
+        for m in self.modifiers:
+            grad = m.gradient_bytes if m.gradient_bytes is not None else grad
+            param = m.parameter_bytes if m.parameter_bytes is not None else param
+        return grad, param
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@lru_cache(maxsize=None)
+def parse_variant(text: str) -> Variant:
+    """``"acco+bf16comm"`` -> Variant; ValueError (naming ``--methods`` and the choices) otherwise."""
+    aliases = {"zero-1": "zero1", "zero": "zero1", "ddp": "zero0", "stage0": "zero0", "shardedadamw": "sharded"}
+    parts = [x.strip().lower() for x in str(text).split("+")]
+    base = aliases.get(parts[0], parts[0])
+    if base not in METHODS:
+        raise ValueError(f"--methods: unknown method {parts[0]!r} in {text!r}; choose from "
+                         f"{', '.join(m for m in METHODS if m != 'compute')}")
+    modifiers = []
+    for name in parts[1:]:
+        if name not in MODIFIERS:
+            raise ValueError(f"--methods: unknown modifier {name!r} in {text!r}; modifiers are "
+                             f"{', '.join(MODIFIERS)} (e.g. acco+bf16comm)")
+        if MODIFIERS[name] in modifiers:
+            raise ValueError(f"--methods: modifier {name!r} given twice in {text!r}")
+        if MODIFIERS[name].only_for and base != MODIFIERS[name].only_for:
+            raise ValueError(f"--methods: {text!r}: modifier {name!r} applies to {MODIFIERS[name].only_for} only")
+        if MODIFIERS[name].not_for_deepspeed and base != "compute" and not METHODS[base].ours:
+            raise ValueError(f"--methods: {text!r}: {MODIFIERS[name].not_for_deepspeed}; use it with "
+                             f"deepspeed_acco's methods (sharded, dpu, acco, co2)")
+        modifiers.append(MODIFIERS[name])
+    if base == "compute" and modifiers:
+        raise ValueError("--methods: the compute-only baseline has no communication to modify")
+    return Variant(METHODS[base], tuple(modifiers))
 
 
 def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int, lr: float, total_updates: int,
               warmup: int, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
               local_steps: int = 12, dynamic_accumulation: bool = False, bf16: bool = False,
-              torch_adam: bool = True, co2_options: Optional[dict] = None) -> dict:
-    """The DeepSpeed JSON config (as a dict) for ``method``; ``co2_options``: further CO2 params
-    (``outer_lr``, ``outer_momentum``, ``gap_penalty``), the engine's defaults where absent."""
-    spec = METHODS[method]
+              torch_adam: bool = True, co2_options: Optional[dict] = None, warmup_sync_updates: int = 0) -> dict:
+    """The DeepSpeed JSON config (as a dict) for ``method`` (a method name, with modifiers if any:
+    ``acco+bf16comm``); ``co2_options``: further CO2 params (``outer_lr``, ``outer_momentum``,
+    ``gap_penalty``, ``group_size``), the engine's defaults where absent."""
+    variant = parse_variant(method)
+    spec = variant.method
     if spec.optimizer is None:
         raise ValueError(f"{method!r} runs without DeepSpeed (the compute-only baseline) and has no config")
     params = dict(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay)
@@ -61,6 +170,8 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         params["torch_adam"] = True  # torch.optim.AdamW: no op build needed on CPU
     if spec.name == "acco":
         params["dynamic_accumulation"] = bool(dynamic_accumulation)
+    if warmup_sync_updates and spec.name in ("dpu", "acco", "co2"):
+        params["warmup_sync_updates"] = int(warmup_sync_updates)
     if spec.name == "co2":
         params["local_steps"] = int(local_steps)
         params.update(co2_options or {})
@@ -80,6 +191,8 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         cfg["zero_optimization"] = {"stage": spec.zero_stage}
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    for modifier in variant.modifiers:
+        cfg = _merge(cfg, modifier.config)
     return cfg
 
 
@@ -101,10 +214,14 @@ def warmup_decay_lr(step: int, lr: float, warmup: int, total_updates: int) -> fl
 
 
 def resolve_methods(text: str) -> List[str]:
-    names = [m.strip().lower() for m in text.split(",") if m.strip()]
-    aliases = {"zero-1": "zero1", "zero": "zero1", "ddp": "zero0", "stage0": "zero0", "shardedadamw": "sharded"}
-    names = [aliases.get(m, m) for m in names]
-    bad = [m for m in names if m not in METHODS or m == "compute"]
-    if bad:
-        raise SystemExit(f"unknown method(s) {bad}; choose from {[m for m in METHODS if m != 'compute']}")
+    """``--methods`` -> the canonical variant names, in order, without repeats (SystemExit on a bad one)."""
+    names = []
+    for item in (m.strip() for m in text.split(",") if m.strip()):
+        try:
+            variant = parse_variant(item)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        if variant.method.name == "compute":
+            raise SystemExit("--methods: the compute-only baseline always runs (turn it off with --no-compute-only)")
+        names.append(variant.name)
     return list(dict.fromkeys(names))

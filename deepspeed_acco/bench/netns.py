@@ -1,34 +1,62 @@
-"""A private network namespace whose loopback is rate-limited with ``tc ... tbf``: a slow link.
+"""Emulated networks for the bench: private network namespaces shaped with ``tc ... tbf``.
 
-Every rank of a job runs inside the namespace (``ip netns exec NAME ...``) and talks over its own
-loopback, so the shaping applies to all of their traffic and to nothing else on the machine. Both
-directions of the rank-to-rank traffic leave through the same ``lo`` queue, so the configured rate
-is the *total* over both directions (a ring all-reduce between two ranks that sends both ways at
-once gets half of it each way). :func:`measure_rate` times a bulk TCP transfer inside the
-namespace so the bench can print the rate the ranks actually get.
+Two layouts, both built only inside namespaces this process creates (nothing is added to the
+host's own network):
 
-Namespaces are named ``acco-<pid>-<n>`` and deleted on exit (also on Ctrl-C / SIGTERM, via the
-caller's ``finally``; :func:`cleanup_all` removes any this process created).
+**Cluster** (:class:`Cluster`, the bench's default ``--nodes 2``). Every node is its own network
+namespace with one veth link into a switch namespace that holds a bridge; the node's end of the
+link is the node's NIC. Each node gets an address from the RFC 2544 benchmarking range
+(``198.18.0.<k+1>/24``, node k) and no default route, so no packet can leave the namespaces. Each
+link is shaped with ``tbf`` in both directions, as a NIC is: on the node's interface (what the
+node sends) and on the switch's port toward the node (what the node receives). Shaping only the
+node's egress would let N - 1 senders deliver to one node at (N - 1) x the rate at once; with the
+switch side shaped too a node never receives faster than its link, whatever the number of nodes.
+The two directions are separate queues, so a link is full duplex: a node sends and receives at the
+full rate at the same time (:func:`measure_cluster` checks both). The ranks of one node talk over
+that node's loopback, which is not shaped: traffic to the node's own address is routed through
+``lo`` by the kernel, never through the veth.
 
-``python -m deepspeed_acco.bench.netns measure`` is the transfer test itself (run inside a
-namespace by :func:`measure_rate`).
+**Loopback** (:class:`Namespace`, ``--nodes 1``, what results before 2026-12-01 used). All ranks
+run in one namespace and talk over its loopback, shaped with ``tbf``: both directions of the
+rank-to-rank traffic leave through the same ``lo`` queue, so the configured rate is the *total*
+over both directions (a ring all-reduce between two ranks that sends both ways at once gets half of
+it each way).
+
+Names carry the creating process's pid, so that a later bench can tell what a killed one left:
+namespaces ``acco-<pid>-<n>`` (loopback) and ``acco-<pid>-<n>-sw`` / ``acco-<pid>-<n>-n<k>``
+(cluster); interfaces ``a<pid>n<k>`` (node k's NIC), ``a<pid>s<k>`` (its switch port) and
+``a<pid>br`` (the bridge). Interfaces are created inside the namespaces, so deleting a namespace
+deletes them. Everything is deleted on exit (also on Ctrl-C / SIGTERM, via the caller's
+``finally``: :func:`cleanup_all`); :func:`remove_orphans` removes what a bench killed with SIGKILL
+left behind, processes included.
+
+``python -m deepspeed_acco.bench.netns measure`` / ``transfer`` are the transfer tests themselves
+(run inside the namespaces by :func:`measure_rate` and :func:`measure_cluster`).
 """
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 _UNITS = {"": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
           "k": 1e3, "m": 1e6, "g": 1e9, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 _counter = itertools.count()
 _created: List[str] = []
+# Node k's address; 198.18.0.0/15 is reserved for benchmarking (RFC 2544) and never routed.
+NODE_SUBNET = "198.18.0"
+NODE_PREFIX_LEN = 24
+MAX_NODES = 250
+# Our namespace names: loopback ``acco-<pid>-<n>``, cluster ``acco-<pid>-<n>-sw`` and ``acco-<pid>-<n>-n<k>``.
+_OUR_NAMESPACE = re.compile(r"acco-(\d+)-\d+(?:-(?:sw|n\d+))?")
+TRANSFER_PORT = 5201
 
 
 def parse_bandwidth(text) -> Optional[float]:
@@ -76,6 +104,17 @@ def _run(cmd: List[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip() or res.stdout.strip()}")
 
 
+def _add_namespace(name: str) -> None:
+    _run(["ip", "netns", "add", name])
+    _created.append(name)
+
+
+def _delete_namespace(name: str) -> None:
+    subprocess.run(["ip", "netns", "del", name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if name in _created:
+        _created.remove(name)
+
+
 def tbf_args(bps: float) -> List[str]:
     """tbf parameters: the bucket holds ~4 ms of traffic (at least 4 loopback-sized 64 KiB packets, so
     large GSO packets are never dropped for being bigger than the bucket), and the queue 50 ms."""
@@ -84,8 +123,15 @@ def tbf_args(bps: float) -> List[str]:
     return ["rate", f"{int(bps)}bit", "burst", str(burst), "latency", "50ms"]
 
 
+def _qdisc_text(namespace: str, dev: str) -> str:
+    res = subprocess.run(["tc", "-n", namespace, "qdisc", "show", "dev", dev], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    return res.stdout.strip()
+
+
 class Namespace:
-    """``with Namespace(bps) as ns: subprocess.Popen(ns.prefix() + cmd)``; ``bps=None``: loopback unshaped."""
+    """One namespace whose loopback is shaped (``--nodes 1``): ``with Namespace(bps) as ns:
+    subprocess.Popen(ns.prefix() + cmd)``; ``bps=None``: loopback unshaped."""
 
     def __init__(self, bps: Optional[float]):
         self.bps = bps
@@ -93,9 +139,8 @@ class Namespace:
         self.created = False
 
     def create(self) -> "Namespace":
-        _run(["ip", "netns", "add", self.name])
+        _add_namespace(self.name)
         self.created = True
-        _created.append(self.name)
         try:
             _run(["ip", "-n", self.name, "link", "set", "lo", "up"])
             if self.bps is not None:
@@ -109,16 +154,85 @@ class Namespace:
         return ["ip", "netns", "exec", self.name]
 
     def qdisc(self) -> str:
-        res = subprocess.run(["tc", "-n", self.name, "qdisc", "show", "dev", "lo"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-        return res.stdout.strip()
+        return _qdisc_text(self.name, "lo")
 
     def delete(self) -> None:
         if self.created:
-            subprocess.run(["ip", "netns", "del", self.name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _delete_namespace(self.name)
             self.created = False
-            if self.name in _created:
-                _created.remove(self.name)
+
+    def __enter__(self):
+        return self.create()
+
+    def __exit__(self, *exc):
+        self.delete()
+
+
+class Cluster:
+    """``num_nodes`` node namespaces, each with one full-duplex link of ``bps`` (None: unshaped)
+    into a switch namespace's bridge. ``node_prefix(k) + cmd`` runs ``cmd`` on node k, whose NIC is
+    ``node_ifname(k)`` with address ``node_address(k)``."""
+
+    def __init__(self, num_nodes: int, bps: Optional[float]):
+        if not 2 <= num_nodes <= MAX_NODES:
+            raise ValueError(f"a cluster needs 2 to {MAX_NODES} nodes, got {num_nodes}")
+        self.num_nodes, self.bps = num_nodes, bps
+        pid = os.getpid()
+        self.name = f"acco-{pid}-{next(_counter)}"
+        self.switch = f"{self.name}-sw"
+        self.nodes = [f"{self.name}-n{k}" for k in range(num_nodes)]
+        self._tag = f"a{pid}"
+        self.bridge = f"{self._tag}br"
+        self.created = False
+
+    def node_ifname(self, k: int) -> str:
+        return f"{self._tag}n{k}"
+
+    def port_ifname(self, k: int) -> str:
+        return f"{self._tag}s{k}"
+
+    @staticmethod
+    def node_address(k: int) -> str:
+        return f"{NODE_SUBNET}.{k + 1}"
+
+    def node_prefix(self, k: int) -> List[str]:
+        return ["ip", "netns", "exec", self.nodes[k]]
+
+    def create(self) -> "Cluster":
+        self.created = True
+        try:
+            _add_namespace(self.switch)
+            _run(["ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "-n", self.switch, "link", "set", self.bridge, "up"])
+            for k, node in enumerate(self.nodes):
+                nic, port = self.node_ifname(k), self.port_ifname(k)
+                _add_namespace(node)
+                _run(["ip", "-n", node, "link", "set", "lo", "up"])
+                # Both ends are created inside their namespaces: the host's network never sees them.
+                _run(["ip", "-n", node, "link", "add", nic, "type", "veth", "peer", "name", port, "netns", self.switch])
+                _run(["ip", "-n", self.switch, "link", "set", port, "master", self.bridge])
+                _run(["ip", "-n", self.switch, "link", "set", port, "up"])
+                _run(["ip", "-n", node, "addr", "add", f"{self.node_address(k)}/{NODE_PREFIX_LEN}", "dev", nic])
+                _run(["ip", "-n", node, "link", "set", nic, "up"])
+                if self.bps is not None:
+                    _run(["tc", "-n", node, "qdisc", "add", "dev", nic, "root", "tbf"] + tbf_args(self.bps))
+                    _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "tbf"] + tbf_args(self.bps))
+        except Exception:
+            self.delete()
+            raise
+        return self
+
+    def qdisc(self) -> str:
+        """The shaping of node 0's link, both directions (every node's is the same)."""
+        return (f"node 0 egress ({self.node_ifname(0)}): {_qdisc_text(self.nodes[0], self.node_ifname(0))}; "
+                f"switch port toward node 0 ({self.port_ifname(0)}): "
+                f"{_qdisc_text(self.switch, self.port_ifname(0))}")
+
+    def delete(self) -> None:
+        if self.created:
+            for name in self.nodes + [self.switch]:
+                _delete_namespace(name)
+            self.created = False
 
     def __enter__(self):
         return self.create()
@@ -130,26 +244,43 @@ class Namespace:
 def cleanup_all() -> None:
     """Delete every namespace this process created and has not deleted yet."""
     for name in list(_created):
-        subprocess.run(["ip", "netns", "del", name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _created.remove(name)
+        _delete_namespace(name)
+
+
+def namespace_pids(name: str) -> List[int]:
+    res = subprocess.run(["ip", "netns", "pids", name], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return [int(x) for x in res.stdout.split() if x.isdigit()]
 
 
 def remove_orphans() -> List[str]:
-    """Delete namespaces named like ours (``acco-<pid>-<n>``) whose creating process is gone.
+    """Delete namespaces named like ours whose creating process is gone, with whatever runs in them.
 
-    A bench killed with SIGKILL cannot clean up; the next bench removes what it left. Namespaces of
-    live processes, and any other name, are never touched. Returns the names removed.
+    A bench killed with SIGKILL can clean up neither its namespaces nor its jobs (each job runs in
+    its own session, so the ranks outlive it); the next bench ends the processes still inside those
+    namespaces (they can only be that bench's launchers and ranks) and deletes the namespaces,
+    which deletes their veths and bridge. Namespaces of live processes, and any other name, are
+    never touched. Returns the names removed.
     """
     res = subprocess.run(["ip", "netns", "list"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     removed = []
     for line in res.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        m = re.fullmatch(r"acco-(\d+)-\d+", name)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            if subprocess.run(["ip", "netns", "del", name], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL).returncode == 0:
-                removed.append(name)
+        m = _OUR_NAMESPACE.fullmatch(name)
+        if not m or os.path.exists(f"/proc/{m.group(1)}"):
+            continue
+        for pid in namespace_pids(name):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if subprocess.run(["ip", "netns", "del", name], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0:
+            removed.append(name)
     return removed
+
+
+# ----------------------------------------------------------------------------------------------
+# Transfer tests
 
 
 def measure_rate(ns: Optional[Namespace], seconds: float = 1.0, env=None) -> float:
@@ -164,13 +295,40 @@ def measure_rate(ns: Optional[Namespace], seconds: float = 1.0, env=None) -> flo
     return float(json.loads(res.stdout.strip().splitlines()[-1])["bps"])
 
 
-def _transfer_test(seconds: float) -> float:
-    """Send for ``seconds`` from one socket to another over 127.0.0.1; the receiver's rate, bits/s."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    got = {}
+def measure_cluster(cluster: Cluster, seconds: float = 1.0, env=None) -> Dict[str, object]:
+    """Bulk TCP transfers between nodes 1 and 0 of ``cluster``: one direction alone (``one_way_bps``:
+    what one node's link carries), then both directions at once (``duplex_bps``: the two receive
+    rates; each close to ``one_way_bps`` on a full-duplex link)."""
+    def transfers(plan):
+        procs = []
+        for k, listen, send_to in plan:
+            cmd = cluster.node_prefix(k) + [sys.executable, "-m", "deepspeed_acco.bench.netns", "transfer",
+                                            "--seconds", str(seconds)]
+            if listen:
+                cmd += ["--listen", f"{cluster.node_address(k)}:{TRANSFER_PORT}"]
+            if send_to is not None:
+                cmd += ["--send-to", f"{cluster.node_address(send_to)}:{TRANSFER_PORT}"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        out = []
+        for proc in procs:
+            try:
+                stdout, stderr = proc.communicate(timeout=60 + 4 * seconds)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("link measurement between the emulated nodes timed out") from None
+            if proc.returncode != 0:
+                raise RuntimeError(f"link measurement between the emulated nodes failed: {stderr.strip()[-500:]}")
+            out.append(json.loads(stdout.strip().splitlines()[-1]).get("received_bps"))
+        return out
 
+    one_way = transfers([(0, True, None), (1, False, 0)])[0]
+    duplex = transfers([(0, True, 1), (1, True, 0)])
+    return dict(one_way_bps=float(one_way), duplex_bps=[float(x) for x in duplex])
+
+
+def _receiver(server: socket.socket, result: dict) -> threading.Thread:
+    """Accept one connection on ``server`` and record the rate it delivered (bits/s) in ``result``."""
     def receive():
         conn, _ = server.accept()
         n, first, last = 0, None, None
@@ -184,29 +342,75 @@ def _transfer_test(seconds: float) -> float:
             n += len(data)
             last = now
         conn.close()
-        got.update(n=n, first=first, last=last)
+        span = (last - first) if first is not None else 0.0
+        result["bps"] = 8.0 * n / span if span > 0 else float("inf")
 
     th = threading.Thread(target=receive, daemon=True)
     th.start()
-    client = socket.create_connection(server.getsockname())
+    return th
+
+
+def _send(address: Tuple[str, int], seconds: float, connect_timeout_s: float = 20.0) -> None:
+    """Connect to ``address`` (retrying until its listener is up) and send for ``seconds``."""
+    deadline = time.perf_counter() + connect_timeout_s
+    while True:
+        try:
+            client = socket.create_connection(address, timeout=5.0)
+            break
+        except OSError:
+            if time.perf_counter() > deadline:
+                raise
+            time.sleep(0.05)
     chunk = b"\x00" * (1 << 20)
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
         client.sendall(chunk)
     client.close()
+
+
+def _transfer_test(seconds: float) -> float:
+    """Send for ``seconds`` from one socket to another over 127.0.0.1; the receiver's rate, bits/s."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    got: dict = {}
+    th = _receiver(server, got)
+    _send(server.getsockname(), seconds)
     th.join()
     server.close()
-    span = (got["last"] - got["first"]) if got.get("first") is not None else 0.0
-    return 8.0 * got["n"] / span if span > 0 else float("inf")
+    return got["bps"]
+
+
+def _address(text: str) -> Tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
 
 
 def main(argv=None) -> int:
     import argparse
-    p = argparse.ArgumentParser(description="bulk TCP transfer test over 127.0.0.1 (run inside a namespace)")
-    p.add_argument("command", choices=["measure"])
+    p = argparse.ArgumentParser(description="bulk TCP transfer tests (run inside the bench's namespaces)")
+    p.add_argument("command", choices=["measure", "transfer"],
+                   help="measure: over 127.0.0.1 in one process; transfer: between nodes (--listen / --send-to)")
     p.add_argument("--seconds", type=float, default=1.0)
+    p.add_argument("--listen", default=None, metavar="ADDR:PORT", help="transfer: receive one connection here")
+    p.add_argument("--send-to", default=None, metavar="ADDR:PORT", help="transfer: send to this listener")
     args = p.parse_args(argv)
-    print(json.dumps({"bps": _transfer_test(args.seconds)}))
+    if args.command == "measure":
+        print(json.dumps({"bps": _transfer_test(args.seconds)}))
+        return 0
+    got: dict = {}
+    th = None
+    if args.listen:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(_address(args.listen))
+        server.listen(1)
+        th = _receiver(server, got)
+    if args.send_to:
+        _send(_address(args.send_to), args.seconds)
+    if th is not None:
+        th.join(timeout=30 + 2 * args.seconds)
+    print(json.dumps({"received_bps": got.get("bps")}))
     return 0
 
 

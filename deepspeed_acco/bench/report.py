@@ -1,8 +1,9 @@
 """Turn the per-rank logs of bench runs into the table, the CSVs and the plots.
 
 A run directory holds, per rank ``R``: ``rank<R>.jsonl`` (one row per committed update) and
-``rank<R>.summary.json`` (totals, and the validation losses of the parameter copies that rank
-evaluated). :func:`load_run` merges them into one :class:`RunResult`.
+```rank<R>.summary.json`` (totals at ``--updates``, the validation losses, when the target loss was
+reached). :func:`load_run` merges them into one :class:`RunResult`. A run may go on past
+``--updates`` (time to a target loss); the equal-samples numbers are those at ``--updates``.
 """
 import csv
 import glob
@@ -12,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .methods import BASELINE, METHODS
+from .methods import BASELINE, METHODS, parse_variant
 
 
 @dataclass
@@ -25,13 +26,19 @@ class RunResult:
     val: Dict[int, float] = field(default_factory=dict)  # update -> validation loss
     job: dict = field(default_factory=dict)                # launcher exit code, job seconds, load averages
     reps: List["RunResult"] = field(default_factory=list)  # repeated runs (--repeat): timings use the median
+    seed: int = 0
+    defines_target: bool = False  # ZeRO-1 under --target-loss auto: its loss after --updates is the target
 
     def _all(self) -> List["RunResult"]:
         return [self] + list(self.reps)
 
     @property
     def label(self) -> str:
-        return METHODS[self.method].label
+        return "compute-only (no comm)" if self.method == "compute" else parse_variant(self.method).label
+
+    @property
+    def _first(self) -> dict:
+        return self.summaries[min(self.summaries)]
 
     @property
     def updates(self) -> int:
@@ -60,10 +67,15 @@ class RunResult:
     def ms_per_update(self) -> float:
         return 1000.0 * self.wall_s / max(self.updates, 1)
 
+    def _rank0_rows(self) -> List[dict]:
+        """Rank 0's rows up to the equal-samples point."""
+        rows = self.rows.get(0) or next(iter(self.rows.values()))
+        return [r for r in rows if r["update"] <= self.updates]
+
     @property
     def steady_ms_per_update(self) -> float:
         """Per-update time over the second half of the run (rank 0), without start-up transients."""
-        rows = self.rows.get(0) or next(iter(self.rows.values()))
+        rows = self._rank0_rows()
         if len(rows) < 4:
             return self.ms_per_update
         half = len(rows) // 2
@@ -111,16 +123,54 @@ class RunResult:
         return max(out)
 
     def final_train_loss(self, frac: float = 0.1) -> float:
-        """Mean train loss over the last ``frac`` of the updates, over all ranks."""
+        """Mean train loss over the last ``frac`` of the updates up to ``--updates``, over all ranks."""
         vals = []
         for rows in self.rows.values():
+            rows = [r for r in rows if r["update"] <= self.updates]
             k = max(1, int(round(len(rows) * frac)))
             vals += [r["loss"] for r in rows[-k:]]
         return sum(vals) / len(vals) if vals else float("nan")
 
     @property
     def final_val_loss(self) -> float:
+        """Validation loss after ``--updates`` (the equal-samples point)."""
+        if self.updates in self.val:
+            return self.val[self.updates]
         return self.val[max(self.val)] if self.val else float("nan")
+
+    # ---- time to target ----------------------------------------------------------------------
+    @property
+    def target_loss(self) -> Optional[float]:
+        return self.final_val_loss if self.defines_target else self._first.get("target_loss")
+
+    @property
+    def reached_update(self) -> Optional[int]:
+        return self.updates if self.defines_target else self._first.get("reached_update")
+
+    @property
+    def reached_wall_s(self) -> Optional[float]:
+        """Wall-clock when the target was first reached (slowest rank; median over repeats)."""
+        if self.defines_target:
+            return self.wall_s
+        walls = []
+        for r in self._all():
+            per_rank = [s.get("reached_wall_s") for s in r.summaries.values()]
+            if any(w is None for w in per_rank) or not per_rank:
+                return None
+            walls.append(max(per_rank))
+        return _median(walls)
+
+    @property
+    def final_update(self) -> int:
+        return min(s.get("final_update", s["updates"]) for s in self.summaries.values())
+
+    @property
+    def last_val(self):
+        """``(update, loss)`` of the last evaluation (at the stop)."""
+        if not self.val:
+            return None, float("nan")
+        u = max(self.val)
+        return u, self.val[u]
 
     @property
     def peak_rss_mib(self) -> float:
@@ -152,7 +202,7 @@ def _median(values: Sequence[float]) -> float:
     return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
-def load_run(run_dir: str, method: str, bandwidth: str = "", bps: Optional[float] = None) -> RunResult:
+def load_run(run_dir: str, method: str, bandwidth: str = "", bps: Optional[float] = None, seed: int = 0) -> RunResult:
     rows, summaries, val = {}, {}, {}
     for path in sorted(glob.glob(os.path.join(run_dir, "rank*.summary.json"))):
         with open(path) as f:
@@ -167,7 +217,8 @@ def load_run(run_dir: str, method: str, bandwidth: str = "", bps: Optional[float
     if os.path.exists(os.path.join(run_dir, "job.json")):
         with open(os.path.join(run_dir, "job.json")) as f:
             job = json.load(f)
-    return RunResult(method=method, bandwidth=bandwidth, bps=bps, rows=rows, summaries=summaries, val=val, job=job)
+    return RunResult(method=method, bandwidth=bandwidth, bps=bps, rows=rows, summaries=summaries, val=val, job=job,
+                     seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,13 +231,26 @@ def _fmt(x, spec=".2f", none="n/a"):
     return format(x, spec)
 
 
-def table_rows(results: Sequence[RunResult]) -> List[dict]:
+def comm_label(method: str, precision: str) -> str:
+    """What one round moves per value: ``"fp32/bf16"`` = fp32 gradients reduced, bf16 parameters gathered."""
+    if method == "compute":
+        return ""
+    names = {4.0: "fp32", 2.0: "bf16", 1.0: "int8"}
+    grad, param = parse_variant(method).comm_bytes(precision)
+    if parse_variant(method).method.name == "zero0":
+        return f"{names.get(grad, grad)} all-reduce"
+    return f"{names.get(grad, grad)}/{names.get(param, param)}"
+
+
+def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[dict]:
     """One dict per run with every table column (numbers, not strings)."""
     compute = next((r for r in results if r.method == "compute"), None)
     base = next((r for r in results if r.method == BASELINE), None)
+    base_ttt = base.reached_wall_s if base is not None else None
     out = []
     for r in results:
         is_compute = r.method == "compute"
+        ttt = None if is_compute else r.reached_wall_s
         wait, derived = r.comm_wait_s, False
         if wait is None and compute is not None and not is_compute:
             wait, derived = max(0.0, r.wall_s - compute.wall_s), True
@@ -197,30 +261,40 @@ def table_rows(results: Sequence[RunResult]) -> List[dict]:
                    speedup_vs_zero1=(base.wall_s / r.wall_s) if base is not None and not is_compute else None,
                    comm_wait_s=wait if not is_compute else 0.0, comm_wait_derived=derived,
                    train_loss=None if is_compute else r.final_train_loss(),
-                   val_loss=None if is_compute else r.final_val_loss,
-                   val_ppl=None if is_compute else math.exp(r.final_val_loss),
+                   # compute-only: rank 0's replica, which trained alone ("a lone replica")
+                   val_loss=r.final_val_loss if r.val else None,
+                   val_ppl=math.exp(r.final_val_loss) if r.val else None,
                    val_gap_vs_zero1=((r.final_val_loss / base.final_val_loss - 1.0)
-                                     if base is not None and not is_compute else None),
+                                     if base is not None and r.val else None),
                    peak_rss_mib=r.peak_rss_mib, init_s=max(s["init_s"] for s in r.summaries.values()),
                    snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()),
+                   snapshot_at_updates_s=max(s.get("snapshot_at_updates_s", s.get("snapshot_s", 0.0)) or 0.0
+                                             for s in r.summaries.values()),
                    wall_incl_copies_s=max(s.get("wall_incl_copies_s", s["wall_s"]) for s in r.summaries.values()),
                    job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"),
                    other_load_cores=r.other_load, steal_cores=r.steal_cores, repeats=1 + len(r.reps),
                    wall_min_s=r.wall_range[0], wall_max_s=r.wall_range[1],
-                   rank_cpu_s=sum(s.get("cpu_s", 0.0) for s in r.summaries.values()))
+                   rank_cpu_s=sum(s.get("cpu_s") or 0.0 for s in r.summaries.values()),
+                   seed=r.seed, comm=comm_label(r.method, precision),
+                   target_loss=None if is_compute else r.target_loss,
+                   updates_to_target=None if is_compute else r.reached_update, time_to_target_s=ttt,
+                   ttt_speedup_vs_zero1=(base_ttt / ttt) if base_ttt and ttt else None,
+                   final_update=r.final_update, last_val_loss=None if is_compute else r.last_val[1],
+                   eval_s=max(s.get("eval_s", 0.0) for s in r.summaries.values()))
         out.append(row)
     return out
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
-    head = ["method", "wall (s)", "ms/update", "x compute", "samples/s", "speedup vs ZeRO-1", "comm wait (s)",
+    """The equal-samples table."""
+    head = ["method", "comm", "wall (s)", "ms/update", "x compute", "samples/s", "speedup vs ZeRO-1", "comm wait (s)",
             "train loss", "val loss", "val vs ZeRO-1", "val ppl", "peak RSS/rank (MiB)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for r in rows:
         wait = _fmt(r["comm_wait_s"], ".1f")
         if r["comm_wait_derived"]:
             wait = f"~{wait}*"
-        cells = [r["label"], _fmt(r["wall_s"], ".1f"), _fmt(r["ms_per_update"], ".0f"),
+        cells = [r["label"], r.get("comm", ""), _fmt(r["wall_s"], ".1f"), _fmt(r["ms_per_update"], ".0f"),
                  (_fmt(r["x_compute"], ".2f") + "x") if r["x_compute"] is not None else "",
                  _fmt(r["samples_per_s"], ".1f"),
                  (_fmt(r["speedup_vs_zero1"], ".2f") + "x") if r["speedup_vs_zero1"] is not None else "",
@@ -231,6 +305,79 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def ttt_table(rows: Sequence[dict], eval_every: int, max_updates: int) -> str:
+    """The time-to-target table: when each method's validation loss first reached the target."""
+    head = ["method", "updates to target", "time to target (s)", "speedup vs ZeRO-1", "val loss at stop"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for r in rows:
+        if r["method"] == "compute":
+            continue
+        if r["updates_to_target"] is not None:
+            cells = [r["label"], str(r["updates_to_target"]), _fmt(r["time_to_target_s"], ".1f"),
+                     (_fmt(r["ttt_speedup_vs_zero1"], ".2f") + "x") if r["ttt_speedup_vs_zero1"] else "",
+                     _fmt(r["last_val_loss"], ".4f")]
+        else:
+            cells = [r["label"], f"not reached in {r['final_update']}", "", "not reached",
+                     _fmt(r["last_val_loss"], ".4f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def seed_rows(results: Sequence[RunResult], seeds: Sequence[int]) -> List[dict]:
+    """Per method, over seeds: validation loss after --updates, its gap to ZeRO-1 of the same seed
+    (mean and range), and the time-to-target speedup over ZeRO-1 of the same seed."""
+    by = {(r.method, r.seed): r for r in results if r.method != "compute" or r.val}
+    methods = list(dict.fromkeys(r.method for r in results if r.method != "compute" or r.val))
+    out = []
+    for m in methods:
+        vals, gaps, speedups, reached, n = [], [], [], 0, 0
+        for seed in seeds:
+            r, base = by.get((m, seed)), by.get((BASELINE, seed))
+            if r is None:
+                continue
+            n += 1
+            vals.append(r.final_val_loss)
+            if base is not None:
+                gaps.append(r.final_val_loss / base.final_val_loss - 1.0)
+                if r.reached_wall_s and base.reached_wall_s:
+                    speedups.append(base.reached_wall_s / r.reached_wall_s)
+            reached += r.reached_update is not None
+        if not n:
+            continue
+
+        def stats(v):
+            return (sum(v) / len(v), min(v), max(v)) if v else (None, None, None)
+        label = "lone replica (compute-only run, rank 0)" if m == "compute" else parse_variant(m).label
+        out.append(dict(method=m, label=label, seeds=n, val_mean=stats(vals)[0],
+                        gap_mean=stats(gaps)[0], gap_min=stats(gaps)[1], gap_max=stats(gaps)[2],
+                        ttt_speedup_mean=stats(speedups)[0], ttt_speedup_min=stats(speedups)[1],
+                        ttt_speedup_max=stats(speedups)[2], reached=reached,
+                        target=m != "compute" and any(by[(m, s)].target_loss is not None or m == BASELINE
+                                                      for s in seeds if (m, s) in by)))
+    return out
+
+
+def seeds_table(rows: Sequence[dict]) -> str:
+    head = ["method", "seeds", "val loss (mean)", "val vs ZeRO-1: mean", "range (min..max)",
+            "time-to-target speedup: mean", "range", "reached target"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for r in rows:
+        gap = "" if r["gap_mean"] is None else f"{100 * r['gap_mean']:+.2f}%"
+        rng = "" if r["gap_min"] is None else f"{100 * r['gap_min']:+.2f}% .. {100 * r['gap_max']:+.2f}%"
+        spd = "" if r["ttt_speedup_mean"] is None else f"{r['ttt_speedup_mean']:.2f}x"
+        srng = "" if r["ttt_speedup_min"] is None else f"{r['ttt_speedup_min']:.2f}x .. {r['ttt_speedup_max']:.2f}x"
+        lines.append("| " + " | ".join([r["label"], str(r["seeds"]), _fmt(r["val_mean"], ".4f"), gap, rng, spd, srng,
+                                        f"{r['reached']}/{r['seeds']}" if r["target"] else ""]) + " |")
+    return "\n".join(lines)
+
+
+TTT_NOTES = (
+    "Time to target: every method trains with the same hyper-parameters and LR schedule (horizon --updates; "
+    "beyond it the lr stays at its floor) until an evaluation of the fixed validation windows (every --eval-every "
+    "updates, clock paused) is at or below the target, or --max-updates. updates/time to target: the first such "
+    "evaluation (time resolution: one evaluation interval); speedup vs ZeRO-1: ZeRO-1's time to target over the "
+    "method's.")
+
 TABLE_NOTES = (
     "Equal samples for every method (same updates x global batch). wall = training only (after initialize and a "
     "barrier, slowest rank; paused while the committed parameters are copied for validation, see snapshot_s and "
@@ -238,22 +385,23 @@ TABLE_NOTES = (
     "communication). comm wait: the engine's measured time blocked on communication (mean over ranks); "
     "`~x*` = derived as wall - compute-only wall, for DeepSpeed's engine, which has no such counter. train loss: "
     "mean of the last 10% of updates over ranks; val loss: held-out files, after the last update (nats/byte, "
-    "ppl = exp); val vs ZeRO-1: relative gap.")
+    "ppl = exp); val vs ZeRO-1: relative gap. comm: what one round moves per value, gradients/parameters (DeepSpeed "
+    "communicates gradients in the model's dtype by default, deepspeed_acco in fp32 unless +bf16comm).")
 
 
 def write_steps_csv(path: str, results: Sequence[RunResult]) -> None:
-    cols = ["bandwidth", "method", "rank", "update", "samples", "wall_s", "loss", "micro_batches", "comm_wait_s",
-            "lr", "val_loss"]
+    cols = ["bandwidth", "method", "seed", "rank", "update", "samples", "wall_s", "loss", "micro_batches",
+            "comm_wait_s", "lr", "val_loss"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         for r in results:
             if 0 in r.val:
-                w.writerow(dict(bandwidth=r.bandwidth, method=r.method, rank=0, update=0, samples=0, wall_s=0.0,
-                                val_loss=r.val[0]))
+                w.writerow(dict(bandwidth=r.bandwidth, method=r.method, seed=r.seed, rank=0, update=0, samples=0,
+                                wall_s=0.0, val_loss=r.val[0]))
             for rank in sorted(r.rows):
                 for row in r.rows[rank]:
-                    out = dict(row, bandwidth=r.bandwidth, method=r.method, rank=rank)
+                    out = dict(row, bandwidth=r.bandwidth, method=r.method, seed=r.seed, rank=rank)
                     if rank == 0 and row["update"] in r.val:
                         out["val_loss"] = r.val[row["update"]]
                     w.writerow(out)
@@ -272,22 +420,68 @@ def write_summary_csv(path: str, rows: Sequence[dict]) -> None:
 # Theory: the bound max(T_compute, k * T_comm)
 
 
-def comm_round_seconds(n_params: int, world_size: int, link_bps: float, bytes_per_element: int = 4) -> float:
-    """Ideal time of one reduce-scatter of the gradients plus one all-gather of the parameters (or one
-    all-reduce: same volume) when every byte crosses one shared link of ``link_bps``: each of the W ranks
-    sends 2 (W - 1) / W of the model, 2 (W - 1) P b bytes in all."""
-    return 8.0 * 2 * (world_size - 1) * n_params * bytes_per_element / link_bps
+def comm_round_seconds(n_params: int, world_size: int, link_bps: float, bytes_per_element: float = 4, *,
+                       param_bytes: Optional[float] = None, nodes: int = 1) -> float:
+    """Ideal time of one reduce-scatter of the gradients (``bytes_per_element`` per value) plus one
+    all-gather of the parameters (``param_bytes``, default the same; an all-reduce moves the same
+    volume) as a ring over the W ranks, each of which sends (W - 1) / W of the model per collective.
+
+    ``nodes == 1``: every byte crosses one shared link of ``link_bps`` (the shaped loopback), (W - 1) P
+    (b_g + b_p) bytes in all. ``nodes >= 2``: each node has its own full-duplex link of ``link_bps``
+    per direction and its ranks are consecutive in the ring, so exactly one ring edge leaves each
+    node and carries (W - 1) / W P (b_g + b_p) bytes; the nodes send at once. (A hierarchical
+    algorithm that first reduces inside each node would need only (N - 1) / N of that per node.)"""
+    volume = n_params * (bytes_per_element + (bytes_per_element if param_bytes is None else param_bytes))
+    if nodes >= 2:
+        return 8.0 * (world_size - 1) / world_size * volume / link_bps
+    return 8.0 * (world_size - 1) * volume / link_bps
+
+
+def method_comm_seconds(method: str, n_params: int, world_size: int, link_bps: float, precision: str,
+                        nodes: int = 1) -> float:
+    """:func:`comm_round_seconds` with the bytes ``method`` (a variant) moves: DeepSpeed's stage 0
+    all-reduces the gradients only; the others reduce-scatter gradients and gather parameters."""
+    grad, param = parse_variant(method).comm_bytes(precision)
+    if parse_variant(method).method.name == "zero0":
+        param = grad
+    return comm_round_seconds(n_params, world_size, link_bps, grad, param_bytes=param, nodes=nodes)
+
+
+def probe_round_seconds(probe: dict, method: str, precision: str) -> Optional[float]:
+    """The round of ``method`` as timed by :mod:`.commprobe` on the link, or None where not timed:
+    DeepSpeed on gloo all-reduces the gradients (ZeRO-1 then all-gathers the parameters); our
+    engine runs its own round (ring reduce-scatter + all-gather) in the method's dtypes."""
+    grad, param = parse_variant(method).comm_bytes(precision)
+    base = parse_variant(method).method
+    fp32, model = 4.0, (2.0 if precision == "bf16" else 4.0)
+    if base.ours:
+        key = {(fp32, fp32): "engine_round_s", (fp32, 2.0): "engine_round_model_dtype_s",
+               (2.0, 2.0): "engine_round_bf16comm_s"}.get((grad, param))
+        return probe.get(key) if key else None
+    suffix = {fp32: "_s", 2.0: "_model_dtype_s"}
+    if grad not in suffix or param not in suffix or (2.0 in (grad, param) and model != 2.0):
+        return None
+    all_reduce = probe.get("all_reduce" + suffix[grad])
+    if base.name == "zero0":
+        return all_reduce
+    all_gather = probe.get("all_gather" + suffix[param])
+    return None if all_reduce is None or all_gather is None else all_reduce + all_gather
 
 
 def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: int) -> Optional[float]:
     """Lower bound on the per-update time: overlapped methods max(T_compute, k T_comm) (ACCO k = 2,
     DPU 1, CO2 1/local_steps); the others T_compute + T_comm."""
-    spec = METHODS[method]
+    variant = None if method == "compute" else parse_variant(method)
+    spec = METHODS["compute"] if variant is None else variant.method
     if spec.optimizer is None:
         return t_compute
     if not spec.overlapped:
         return t_compute + t_comm
-    k = 1.0 / max(local_steps, 1) if method == "co2" else spec.comm_jobs
+    if spec.name == "co2":
+        steps = [m.co2_overlap_steps for m in variant.modifiers if m.co2_overlap_steps] or [local_steps]
+        k = 1.0 / max(steps[0], 1)
+    else:
+        k = spec.comm_jobs
     return max(t_compute, k * t_comm)
 
 
@@ -302,28 +496,61 @@ def _plt():
     return plt
 
 
-_STYLE = {"compute": ("0.6", ":"), "zero1": ("tab:red", "-"), "zero0": ("tab:orange", "-"),
-          "sharded": ("tab:purple", "-"), "dpu": ("tab:green", "-"), "acco": ("tab:blue", "-"),
-          "co2": ("tab:brown", "-")}
+_COLORS = {"compute": "0.6", "zero1": "tab:red", "zero0": "tab:orange", "sharded": "tab:purple",
+           "dpu": "tab:green", "acco": "tab:blue", "co2": "tab:brown"}
+_MODIFIER_LINES = ["--", "-.", ":"]
 
 
-def plot_val_vs_wall(path: str, results: Sequence[RunResult], title: str) -> None:
+def _style(method: str):
+    """Colour by method; solid without modifiers, else a line style per set of modifiers."""
+    if method == "compute":
+        return _COLORS["compute"], ":"
+    from .methods import MODIFIERS
+    variant = parse_variant(method)
+    if not variant.modifiers:
+        return _COLORS.get(variant.method.name), "-"
+    index = sum(list(MODIFIERS).index(m.name) + 1 for m in variant.modifiers) - 1
+    return _COLORS.get(variant.method.name), _MODIFIER_LINES[index % len(_MODIFIER_LINES)]
+
+
+def plot_val_vs_wall(path: str, results: Sequence[RunResult], title: str, target: Optional[float] = None) -> None:
+    """Validation loss against training wall-clock, every evaluation; with ``target``, the target
+    loss as a horizontal line, a star where each method first reached it, and a second panel
+    zoomed on the losses near the target."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    panels = 2 if target is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=(7 + 4 * (panels - 1), 4.5), squeeze=False)
+    axes = axes[0]
+    lowest = []
     for r in results:
         if r.method == "compute" or not r.val:
             continue
-        color, ls = _STYLE.get(r.method, (None, "-"))
+        color, ls = _style(r.method)
         pts = sorted((r.wall_at(u), v) for u, v in r.val.items())
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, ls=ls,
-                label=f"{r.label} ({r.wall_s:.0f} s)")
-    ax.set_xlabel("training wall-clock (s)")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        lowest.append(min(v for _, v in pts))
+        ttt = r.reached_wall_s if target is not None else None
+        note = f"target at {ttt:.1f} s" if ttt is not None else ("target not reached" if target is not None
+                                                                 else f"{r.wall_s:.0f} s")
+        for i, ax in enumerate(axes):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=color, ls=ls,
+                    label=f"{r.label} ({note})" if i == 0 else None)
+            if ttt is not None and r.reached_update in r.val:
+                ax.plot([ttt], [r.val[r.reached_update]], marker="*", ms=12, color=color, ls="none")
+    if target is not None:
+        for i, ax in enumerate(axes):
+            ax.axhline(target, color="0.3", lw=1, ls="--", label=f"target {target:.4f}" if i == 0 else None)
+        if lowest:
+            low = min(min(lowest), target)
+            axes[1].set_ylim(low - 0.02 * abs(target), target + 0.08 * abs(target))
+            axes[1].set_title("near the target", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("training wall-clock (s, evaluation excluded)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (nats/byte)")
+    fig.suptitle(title, fontsize=9)
+    fig.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.92))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -343,7 +570,7 @@ def plot_loss_vs_samples(path: str, results: Sequence[RunResult], title: str) ->
     for r in results:
         if r.method == "compute":
             continue
-        color, _ = _STYLE.get(r.method, (None, "-"))
+        color, _ = _style(r.method)
         curve = r.mean_loss_curve()
         if curve:
             k = max(1, len(curve) // 20)
@@ -364,18 +591,20 @@ def plot_loss_vs_samples(path: str, results: Sequence[RunResult], title: str) ->
     plt.close(fig)
 
 
-def plot_speedup_vs_bandwidth(path: str, points: Sequence[dict], title: str) -> None:
+def plot_speedup_vs_bandwidth(path: str, points: Sequence[dict], title: str,
+                              xlabel: str = "measured link rate (Mbit/s)") -> None:
     """``points``: dicts with method, link_bps, speedup, bound_speedup."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method in [m for m in METHODS if any(p["method"] == m for p in points)]:
+    for method in list(dict.fromkeys(p["method"] for p in points)):
         pts = sorted((p for p in points if p["method"] == method), key=lambda p: p["link_bps"])
-        color, _ = _STYLE.get(method, (None, "-"))
+        color, ls = _style(method)
+        variant = parse_variant(method)
         xs = [p["link_bps"] / 1e6 for p in pts]
-        ax.plot(xs, [p["speedup"] for p in pts], marker="o", color=color, label=f"{METHODS[method].label} measured")
-        if METHODS[method].overlapped and all(p.get("bound_speedup") for p in pts):
-            ax.plot(xs, [p["bound_speedup"] for p in pts], ls="--", color=color, alpha=0.7,
-                    label=f"{METHODS[method].label} bound")
+        ax.plot(xs, [p["speedup"] for p in pts], marker="o", color=color, ls=ls, label=f"{variant.label} measured")
+        if variant.method.overlapped and all(p.get("bound_speedup") for p in pts):
+            ax.plot(xs, [p["bound_speedup"] for p in pts], ls=(0, (2, 2)), color=color, alpha=0.7,
+                    label=f"{variant.label} bound")
     ax.axhline(1.0, color="0.5", lw=0.8)
     ax.set_xscale("log")
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
@@ -383,7 +612,7 @@ def plot_speedup_vs_bandwidth(path: str, points: Sequence[dict], title: str) -> 
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:.0f}"))
-    ax.set_xlabel("measured link rate (Mbit/s, shared by both directions)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("speedup vs DeepSpeed ZeRO-1 (equal samples)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")

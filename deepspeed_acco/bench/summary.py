@@ -1,136 +1,197 @@
-"""The bench's report: the table, the where-the-time-goes lines, CSVs, JSON, Markdown and plots of
-a finished set of runs (:func:`finish`), and :func:`replot`, which rebuilds them from a run folder's
-logs without running anything."""
+"""The bench's report: the tables (equal samples, time to target, seeds), the where-the-time-goes
+lines, CSVs, JSON, Markdown and plots of a finished set of runs (:func:`finish`), and
+:func:`replot`, which rebuilds them from a run folder's logs without running anything."""
 import argparse
 import json
 import os
 import sys
-from typing import List
+from typing import List, Optional
 
 from . import netns
-from .methods import BASELINE, resolve_methods
+from .methods import BASELINE, parse_variant, resolve_methods
+
+
+def normalize_args(args):
+    """Fill in the options an output folder of an older bench lacks (for --replot): one shaped
+    loopback, fp32 unless --bf16, one seed, no target."""
+    d = vars(args)
+    if "nodes" not in d:  # before 2026-12-01: all ranks on one loopback
+        d["nodes"], d["ranks_per_node"] = 1, d.get("world_size", 2)
+    d.setdefault("precision", "bf16" if d.get("bf16") else "fp32")
+    if "seeds" not in d:
+        d["seeds"] = [d.get("seed", 0)]
+    d.setdefault("target_loss", None)
+    d.setdefault("max_updates", d["updates"])
+    d.setdefault("eval_every", 0)
+    return args
+
 
 def replot(out: str) -> int:
     """Rebuild results.md, the CSVs and the plots of an earlier run folder from its per-rank logs."""
     from . import report
     with open(os.path.join(out, "results.json")) as f:
         meta = json.load(f)
-    args = argparse.Namespace(**meta["args"])
+    args = normalize_args(argparse.Namespace(**meta["args"]))
     args.no_plots = False
-    methods = resolve_methods(args.methods)
     rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
         if args.sweep_bandwidth else [netns.parse_bandwidth(args.bandwidth)]
     labels = list(meta.get("link", {})) or [netns.format_bandwidth(r) for r in rates]
     rates = [next((r for r in rates if netns.format_bandwidth(r) == label), None) for label in labels]
-    reps = [""] if max(1, getattr(args, "repeat", 1)) <= 1 else [f"rep{i}" for i in range(args.repeat)]
-    results, failed = [], []
+    results, failed, by_key = [], [], {}
 
-    def collect(sub, method, label, bps):
-        first = None
+    def collect(run_dir, method, label, bps, seed):
+        try:
+            r = report.load_run(run_dir, method, label, bps, seed=seed)
+        except FileNotFoundError:
+            failed.append(f"{method}@{label}")
+            return
+        key = (method, label, seed)
+        if key in by_key:
+            by_key[key].reps.append(r)
+        else:
+            by_key[key] = r
+            results.append(r)
+
+    if meta.get("runs"):  # the bench lists every run it collected
+        for run in meta["runs"]:
+            collect(os.path.join(out, run["dir"]), run["method"], run["bandwidth"], run["bps"], run["seed"])
+    else:  # older folders: derive the folders from the options
+        reps = [""] if max(1, getattr(args, "repeat", 1)) <= 1 else [f"rep{i}" for i in range(args.repeat)]
+        seed = args.seeds[0]
         for tag in reps:
-            d = os.path.join(out, "runs", sub, tag)
-            try:
-                r = report.load_run(d, method, label, bps)
-            except FileNotFoundError:
-                failed.append(f"{method}@{label}")
-                continue
-            if first is None:
-                first = r
-                results.append(r)
-            else:
-                first.reps.append(r)
-
-    if not args.no_compute_only:
-        collect("compute", "compute", "no communication", None)
-    for label, bps in zip(labels, rates):
-        for method in methods:
-            if not os.path.isdir(os.path.join(out, "runs", method if len(labels) == 1 else
-                                              os.path.join(label.replace(" ", "").replace("/", "p"), method))):
-                continue
-            sub = method if len(labels) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"), method)
-            collect(sub, method, label, bps)
-    link = {label: v.get("measured_bps") for label, v in meta.get("link", {}).items()}
-    finish(args, out, results, failed, meta, link, meta["n_params"], rates)
+            if not args.no_compute_only:
+                collect(os.path.join(out, "runs", "compute", tag), "compute", "no communication", None, seed)
+        for label, bps in zip(labels, rates):
+            for method in resolve_methods(args.methods):
+                sub = method if len(labels) == 1 else os.path.join(label.replace(" ", "").replace("/", "p"), method)
+                if os.path.isdir(os.path.join(out, "runs", sub)):
+                    for tag in reps:
+                        collect(os.path.join(out, "runs", sub, tag), method, label, bps, seed)
+    finish(args, out, results, failed, meta, rates)
     return 0
 
 
-def finish(args, out, results, failed, meta, link, n_params, rates) -> None:
+def _link_heading(label: str, link: dict) -> str:
+    measured = link.get("measured_bps")
+    if not measured or label == "unshaped":
+        return f"## Link: {label}"
+    if link.get("topology") == "cluster":
+        return (f"## Link: {label} per node and direction ({link['nodes']} nodes x {link['ranks_per_node']} "
+                f"rank(s); measured {measured / 1e6:.0f} Mbit/s one way, "
+                f"{'/'.join(f'{x / 1e6:.0f}' for x in link.get('duplex_bps', []))} both ways at once)")
+    return f"## Link: {label} (one shaped loopback; measured {measured / 1e6:.0f} Mbit/s)"
+
+
+def finish(args, out, results, failed, meta, rates) -> None:
     from . import report
+    args = normalize_args(args)
+    nodes = args.nodes if any(v.get("topology") == "cluster" for v in meta.get("link", {}).values()) else 1
+    world = args.nodes * args.ranks_per_node
     compute = next((r for r in results if r.method == "compute"), None)
-    all_rows, sweep_points, md = [], [], []
+    for r in results:
+        r.defines_target = args.target_loss == "auto" and r.method == BASELINE
+    first_seed = args.seeds[0]
+    n_params = meta["n_params"]
+    all_rows, sweep_points, md, seed_tables = [], [], [], {}
     md.append(f"# deepspeed-acco bench, {meta['date_utc']} UTC\n")
     md.append(f"`{meta['command']}`\n")
     mi = meta["machine"]
     md.append(f"Machine: {mi['cpu']}, {mi['cores']} cores, {mi['mem_gib']} GiB; {mi['os']}; Python {mi['python']}, "
               f"torch {mi['torch']}, deepspeed {mi['deepspeed']}, transformers {mi['transformers']}; "
-              f"{args.threads} thread(s) per rank, {args.world_size} ranks, launcher {args.launcher}.\n")
-    md.append(f"Model: GPT-Neo '{args.model}' ({n_params:,} parameters), ctx {args.ctx}; micro-batch "
-              f"{args.micro_batch} x accumulation {args.grad_accum} x {args.world_size} ranks; {args.updates} updates; "
-              f"lr {args.lr:g}; data: {meta['corpus']}.\n")
+              f"{args.threads} thread(s) per rank, {args.nodes} node(s) x {args.ranks_per_node} rank(s), launcher "
+              f"{args.launcher}.\n")
+    md.append(f"Model: GPT-Neo '{args.model}' ({n_params:,} parameters), ctx {args.ctx}, {args.precision}; "
+              f"micro-batch {args.micro_batch} x accumulation {args.grad_accum} x {world} ranks; {args.updates} "
+              f"updates; lr {args.lr:g}; seeds {', '.join(map(str, args.seeds))}; data: {meta['corpus']}.\n")
     if meta.get("busy_warning"):
         md.append(meta["busy_warning"] + "\n")
+    for m, why in (meta.get("refused") or {}).items():
+        md.append(f"Not run: {parse_variant(m).label}: deepspeed_acco refuses its config: {why}\n")
     for label in [netns.format_bandwidth(b) for b in rates]:
-        group = [r for r in results if r.bandwidth == label]
+        group = [r for r in results if r.bandwidth == label and r.seed == first_seed]
         if compute is not None:
             group = [compute] + group
         if not group:
             continue
-        rows = report.table_rows(group)
+        rows = report.table_rows(group, args.precision)
         for r in rows:
             r["bandwidth"] = label
         all_rows += [r for r in rows if not (r["method"] == "compute" and any(x["method"] == "compute" for x in all_rows))]
-        measured = link.get(label)
-        heading = f"## Link: {label}" + (f" (measured {measured / 1e6:.0f} Mbit/s)" if measured and label != "unshaped" else "")
-        table = report.markdown_table(rows)
-        probe = meta["link"].get(label, {}).get("probe")
-        theory = _theory_lines(args, rows, compute, n_params, measured if label != "unshaped" else None, probe)
+        link = meta.get("link", {}).get(label, {})
+        measured = link.get("measured_bps") if label != "unshaped" else None
+        heading = _link_heading(label, link)
+        seed_note = f" (seed {first_seed})" if len(args.seeds) > 1 else ""
+        parts = [heading + "\n", f"### Equal samples: {args.updates} updates{seed_note}\n",
+                 report.markdown_table(rows) + "\n"]
+        target = (meta.get("targets") or {}).get(label, {}).get(str(first_seed))
+        if args.target_loss is not None:
+            how = "DeepSpeed ZeRO-1's validation loss after --updates" if args.target_loss == "auto" else "given"
+            parts += [f"### Time to target: validation loss <= "
+                      f"{'(none: ZeRO-1 failed)' if target is None else f'{target:.4f}'} ({how}; evaluated every "
+                      f"{args.eval_every} updates, at most {args.max_updates}){seed_note}\n",
+                      report.ttt_table(rows, args.eval_every, args.max_updates) + "\n"]
+        if len(args.seeds) > 1:
+            srows = report.seed_rows([r for r in results if r.bandwidth == label], args.seeds)
+            seed_tables[label] = srows
+            parts += [f"### Over seeds {', '.join(map(str, args.seeds))}: validation loss after {args.updates} "
+                      f"updates, gap to ZeRO-1 of the same seed\n", report.seeds_table(srows) + "\n"]
+        probe = link.get("probe")
+        theory = _theory_lines(args, rows, compute, n_params, measured, probe, nodes)
         theory += _noise_lines(rows)
-        md += [heading + "\n", table + "\n", *theory, ""]
-        print(f"\n{heading}\n{table}\n" + "\n".join(theory))
+        md += parts + theory + [""]
+        print("\n" + "\n".join(p.rstrip("\n") for p in parts) + "\n" + "\n".join(theory))
         base = next((r for r in rows if r["method"] == BASELINE), None)
         if base is not None and compute is not None and measured:
             t_comp = compute.ms_per_update / 1000.0
-            t_comm = report.comm_round_seconds(n_params, args.world_size, measured, 2 if args.bf16 else 4)
             for r in rows:
                 if r["method"] in ("compute", BASELINE):
                     continue
+                t_comm = report.method_comm_seconds(r["method"], n_params, world, measured, args.precision, nodes)
                 b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps)
                 sweep_points.append(dict(method=r["method"], link_bps=measured, speedup=r["speedup_vs_zero1"],
+                                         ttt_speedup=r["ttt_speedup_vs_zero1"],
                                          bound_speedup=(base["ms_per_update"] / 1000.0) / b if b else None))
     md.append(report.TABLE_NOTES + "\n")
+    if args.target_loss is not None:
+        md.append(report.TTT_NOTES + "\n")
     if failed:
-        md.append(f"FAILED runs: {', '.join(failed)} (see runs/*/launcher.log)\n")
+        md.append(f"FAILED runs: {', '.join(failed)} (see runs/*/launcher*.log)\n")
 
     report.write_steps_csv(os.path.join(out, "steps.csv"), results)
     report.write_summary_csv(os.path.join(out, "summary.csv"), all_rows)
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(dict(meta, table=all_rows, sweep=sweep_points), f, indent=1, default=str)
+        json.dump(dict(meta, table=all_rows, sweep=sweep_points, seeds_table=seed_tables), f, indent=1, default=str)
     plots = []
     if not args.no_plots and results:
         for label in [netns.format_bandwidth(b) for b in rates]:
-            group = [r for r in results if r.bandwidth == label]
+            group = [r for r in results if r.bandwidth == label and r.seed == first_seed]
             if not group:
                 continue
             suffix = "" if len(rates) == 1 else "_" + label.replace(" ", "").replace("/", "p")
-            title = (f"GPT-Neo {n_params / 1e6:.1f}M, {args.world_size} ranks, link {label}, "
-                     f"{args.updates} updates x {args.micro_batch * args.grad_accum * args.world_size} samples")
+            where = f"{args.nodes} nodes x {args.ranks_per_node}" if nodes >= 2 else f"{world} ranks"
+            title = (f"GPT-Neo {n_params / 1e6:.1f}M {args.precision}, {where}, link {label}, "
+                     f"{args.micro_batch * args.grad_accum * world} samples/update")
+            target = (meta.get("targets") or {}).get(label, {}).get(str(first_seed))
             p1 = os.path.join(out, f"val_loss_vs_wallclock{suffix}.png")
-            report.plot_val_vs_wall(p1, group, title)
+            report.plot_val_vs_wall(p1, group, title, target=target if args.target_loss is not None else None)
             p2 = os.path.join(out, f"loss_vs_samples{suffix}.png")
             report.plot_loss_vs_samples(p2, group, title)
             plots += [p1, p2]
         if len(rates) > 1 and sweep_points:
             p3 = os.path.join(out, "speedup_vs_bandwidth.png")
             report.plot_speedup_vs_bandwidth(
-                p3, sweep_points, f"GPT-Neo {n_params / 1e6:.1f}M, {args.world_size} ranks: measured speedup (solid)\n"
+                p3, sweep_points, f"GPT-Neo {n_params / 1e6:.1f}M, {world} ranks: measured speedup (solid)\n"
                                   f"bound T_ZeRO-1 / max(T_compute, k T_comm) (dashed; k: ACCO 2, DPU 1, "
-                                  f"CO2 1/{args.local_steps})")
+                                  f"CO2 1/{args.local_steps})",
+                xlabel=("measured link rate per node and direction (Mbit/s)" if nodes >= 2 else
+                        "measured link rate (Mbit/s, shared by both directions)"))
             plots.append(p3)
     for p in plots:
         md.append(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(md))
-    print(f"\n{report.TABLE_NOTES}\n\nwrote {out}/results.md, steps.csv, summary.csv, results.json"
+    print(f"\n{report.TABLE_NOTES}\n" + (f"{report.TTT_NOTES}\n" if args.target_loss is not None else "")
+          + f"\nwrote {out}/results.md, steps.csv, summary.csv, results.json"
           + "".join(f", {os.path.basename(p)}" for p in plots))
     if failed:
         print(f"FAILED runs: {', '.join(failed)}", file=sys.stderr)
@@ -145,6 +206,11 @@ def _noise_lines(rows) -> List[str]:
     text = ", ".join(f"{label} {load:.2f}" + (f" (+{steal:.2f} stolen)" if steal and steal > 0.01 else "")
                      for label, load, steal in loads if load is not None)
     lines = [f"Other processes during training (cores busy outside the ranks, average; worst run): {text}."]
+    copies = [(r["label"], r.get("snapshot_at_updates_s")) for r in rows if r["method"] != "compute"]
+    if any(c for _, c in copies):
+        lines.append("Clock paused for the parameter copies up to --updates (includes finishing the communication "
+                     "job in flight, which the next round might have hidden or waited for): "
+                     + ", ".join(f"{label} {c:.1f} s" for label, c in copies if c is not None) + ".")
     if any(r.get("repeats", 1) > 1 for r in rows):
         spread = ", ".join(f"{r['label']} {1000 * r['wall_min_s'] / r['updates']:.0f}-"
                            f"{1000 * r['wall_max_s'] / r['updates']:.0f}" for r in rows)
@@ -157,42 +223,45 @@ def _noise_lines(rows) -> List[str]:
     return lines
 
 
-def _theory_lines(args, rows, compute, n_params, measured_bps, probe=None) -> List[str]:
-    """Where the time should go: T_compute measured, T_comm from the measured link rate (ideal) and
-    from the collective probe (real), and each method's bound."""
+def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[dict] = None,
+                  nodes: int = 1) -> List[str]:
+    """Where the time should go: T_compute measured, T_comm from the measured link rate (ideal, in
+    the bytes each method moves) and from the collective probe (real), and each method's bound."""
     from . import report
     if compute is None or not measured_bps:
         return []
+    world = args.nodes * args.ranks_per_node
     t_comp = compute.ms_per_update / 1000.0
-    t_comm = report.comm_round_seconds(n_params, args.world_size, measured_bps, 2 if args.bf16 else 4)
-    lines = [f"Per update: T_compute = {1000 * t_comp:.0f} ms (compute-only run); T_comm = {1000 * t_comm:.0f} ms "
-             f"(one reduce-scatter + all-gather of {n_params / 1e6:.2f}M {'bf16' if args.bf16 else 'fp32'} values at "
-             f"the measured {measured_bps / 1e6:.0f} Mbit/s, ideal). Bounds: DPU max(T_compute, T_comm), "
-             f"ACCO max(T_compute, 2 T_comm), CO2 max(T_compute, T_comm / {args.local_steps}), others T_compute + T_comm."]
-    t_real = None
+    t_fp32 = report.comm_round_seconds(n_params, world, measured_bps, 4, nodes=nodes)
+    link = (f"each node's link at the measured {measured_bps / 1e6:.0f} Mbit/s per direction (ring over {world} "
+            f"ranks, one ring edge per node)" if nodes >= 2 else
+            f"the measured {measured_bps / 1e6:.0f} Mbit/s shared by all ranks")
+    lines = [f"Per update: T_compute = {1000 * t_comp:.0f} ms (compute-only run); T_comm = {1000 * t_fp32:.0f} ms for "
+             f"one reduce-scatter + all-gather of {n_params / 1e6:.2f}M fp32 values over {link}, ideal (each method's "
+             f"own below, in the bytes it moves). Bounds: DPU max(T_compute, T_comm), ACCO max(T_compute, 2 T_comm), "
+             f"CO2 max(T_compute, T_comm / {args.local_steps}), others T_compute + T_comm."]
     if probe:
         t_real = probe["round_s"]
-        lines.append(f"Measured with {probe['backend']} over this link: one round (reduce-scatter + all-gather) "
-                     f"{1000 * t_real:.0f} ms = {t_real / t_comm:.2f}x ideal; all-reduce {1000 * probe['all_reduce_s']:.0f} ms, "
-                     f"reduce-scatter {1000 * probe['reduce_scatter_s']:.0f} ms, all-gather "
-                     f"{1000 * probe['all_gather_s']:.0f} ms."
-                     + (" (gloo's reduce-scatter moves as many bytes as an all-reduce.)"
-                        if probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"] else ""))
+        gloo_note = probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"]
+        lines.append(f"Measured with {probe['backend']} over this network: one fp32 round (reduce-scatter + "
+                     f"all-gather) {1000 * t_real:.0f} ms = {t_real / t_fp32:.2f}x ideal; all-reduce "
+                     f"{1000 * probe['all_reduce_s']:.0f} ms, reduce-scatter {1000 * probe['reduce_scatter_s']:.0f} "
+                     f"ms, all-gather {1000 * probe['all_gather_s']:.0f} ms."
+                     + (" (gloo's reduce-scatter moves as many bytes as an all-reduce.)" if gloo_note else ""))
         if "engine_round_s" in probe:
-            lines.append(f"Our engine's round on this link: {1000 * probe['engine_round_s']:.0f} ms = "
-                         f"{probe['engine_round_s'] / t_comm:.2f}x ideal (reduce-scatter "
+            lines.append(f"Our engine's fp32 round on this network: {1000 * probe['engine_round_s']:.0f} ms = "
+                         f"{probe['engine_round_s'] / t_fp32:.2f}x ideal (reduce-scatter "
                          f"{1000 * probe['engine_reduce_scatter_s']:.0f} ms"
                          + (", a ring of sends on gloo)." if probe["backend"] == "gloo" else ")."))
     for r in rows:
         if r["method"] == "compute":
             continue
+        t_comm = report.method_comm_seconds(r["method"], n_params, world, measured_bps, args.precision, nodes)
         b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps)
-        line = (f"- {r['label']}: {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
-                f"({r['ms_per_update'] / (1000 * b):.2f}x the bound)")
-        if t_real is not None:
-            # DeepSpeed on gloo: ZeRO-1 all-reduces the gradients then all-gathers, stage 0 only all-reduces.
-            real = {"zero1": probe["all_reduce_s"] + probe["all_gather_s"],
-                    "zero0": probe["all_reduce_s"]}.get(r["method"], probe.get("engine_round_s", t_real))
+        line = (f"- {r['label']} ({r['comm']}): {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
+                f"({r['ms_per_update'] / (1000 * b):.2f}x the bound; T_comm {1000 * t_comm:.0f} ms)")
+        real = report.probe_round_seconds(probe, r["method"], args.precision) if probe else None
+        if real is not None:
             br = report.bound_seconds(r["method"], t_comp, real, args.local_steps)
             line += f"; {1000 * br:.0f} ms with the measured round ({r['ms_per_update'] / (1000 * br):.2f}x)"
         lines.append(line)

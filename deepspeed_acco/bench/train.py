@@ -3,22 +3,33 @@
 ``python -m deepspeed_acco.bench.train --method acco --run-dir DIR ...`` on every rank. It
 
 1. loads the (cached) corpus and builds the GPT-Neo preset from a seeded config;
-2. for a DeepSpeed method, calls ``deepspeed_acco.initialize`` (which delegates DeepSpeed's own
-   optimizer types to ``deepspeed.initialize``); for ``compute`` it trains the same model with plain
-   ``torch.optim.AdamW`` and no collective at all: the compute-only floor, run with the same number
-   of processes started together, so CPU contention is the same;
-3. after a barrier, starts the clock and trains ``--updates`` committed updates, one
-   ``engine(batch)`` / ``engine.backward`` / ``engine.step`` per micro-batch, writing one JSON line
-   per update to ``DIR/rank<R>.jsonl`` (update, samples, wall seconds since the start, mean train
-   loss of the update's micro-batches on this rank, cumulative communication wait, lr);
-4. at a few updates, copies the committed parameters (under ``engine.committed_parameters()``
-   when the engine has it); the copies are evaluated on the held-out windows only after training,
-   so evaluation never competes with it. The clock is paused during each copy: our engines finish
-   their in-flight communication job to produce committed parameters, a stall real training (which
-   evaluates rarely) does not have; the copy time is recorded as ``snapshot_s``;
-5. writes ``DIR/rank<R>.summary.json`` and the validation losses of the copies assigned to it.
+2. for a DeepSpeed method (with its modifiers, e.g. ``acco+bf16comm``), calls
+   ``deepspeed_acco.initialize`` (which delegates DeepSpeed's own optimizer types to
+   ``deepspeed.initialize``); for ``compute`` it trains the same model with plain
+   ``torch.optim.AdamW`` (fp32 masters under bf16, as DeepSpeed keeps them) and no collective at
+   all: the compute-only floor, run with the same number of processes started together, so CPU
+   contention is the same;
+3. after a barrier, starts the clock and trains, one ``engine(batch)`` / ``engine.backward`` /
+   ``engine.step`` per micro-batch, writing one JSON line per committed update to
+   ``DIR/rank<R>.jsonl`` (update, samples, wall seconds since the start, mean train loss of the
+   update's micro-batches on this rank, cumulative communication wait, lr);
+4. evaluates the newest committed parameters (under ``engine.committed_parameters()`` when the
+   engine has it) on the fixed held-out windows at update 0, every ``--eval-every`` updates and at
+   ``--updates``; the ranks split the windows and all-reduce the loss, so every rank takes the same
+   decision to stop. The clock is paused while the parameters are copied (our engines finish their
+   in-flight communication job to produce committed parameters, a stall real training, which
+   evaluates rarely, does not have; recorded as ``snapshot_s``) and while they are evaluated
+   (``eval_s``);
+5. stops after ``--updates`` committed updates (the equal-samples point), or, with
+   ``--target-loss``, at the first evaluation at or past ``--updates`` whose loss is at or below the
+   target, and at ``--max-updates`` at the latest. The LR schedule's horizon is ``--updates`` for
+   every method; beyond it the learning rate stays at its floor;
+6. writes ``DIR/rank<R>.summary.json``: totals, the validation losses, the wall-clock at
+   ``--updates`` and when (if) the target was first reached.
 
-Wall-clock excludes process start-up and ``initialize`` (reported separately as ``init_s``).
+Wall-clock excludes process start-up and ``initialize`` (reported separately as ``init_s``). A
+config that the engine refuses (``ValueError``) is written to ``DIR/error.txt`` for the bench to
+report.
 """
 import argparse
 import contextlib
@@ -27,38 +38,54 @@ import os
 import resource
 import sys
 import time
+import traceback
 
 
 def parse_args(argv=None):
-    from .methods import METHODS
+    from .methods import parse_variant
     from .models import DEFAULT_PRESET, PRESETS
+
+    def method(text):
+        if text == "compute":
+            return text
+        try:
+            return parse_variant(text).name
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", required=True, choices=sorted(METHODS))
+    p.add_argument("--method", required=True, type=method, help="a method, with modifiers if any (acco+bf16comm)")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
-    p.add_argument("--updates", type=int, default=60)
+    p.add_argument("--updates", type=int, default=60, help="the equal-samples point and the LR schedule's horizon")
+    p.add_argument("--max-updates", type=int, default=0, help="with --target-loss: stop here at the latest")
+    p.add_argument("--target-loss", type=float, default=None)
+    p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local-steps", type=int, default=12)
+    p.add_argument("--warmup-sync-updates", type=int, default=0)
+    p.add_argument("--group-size", type=int, default=1, help="CO2: ranks that average gradients every step")
     p.add_argument("--outer-lr", type=float, default=None)
     p.add_argument("--outer-momentum", type=float, default=None)
     p.add_argument("--gap-penalty", default=None)
     p.add_argument("--dynamic-accumulation", action="store_true")
     p.add_argument("--slow-rank", default="", help="R:F, rank R's compute F times slower")
-    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--data", default=None)
     p.add_argument("--cache-dir", default="default")
     p.add_argument("--val-windows", type=int, default=64)
-    p.add_argument("--eval-points", type=int, default=6)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.max_updates = max(args.max_updates, args.updates) if args.target_loss is not None else args.updates
+    return args
 
 
 def parse_slow_rank(text: str):
@@ -75,36 +102,29 @@ def parse_slow_rank(text: str):
     return rank, factor
 
 
-def eval_updates(updates: int, points: int):
-    """Updates after which the committed parameters are copied for validation (0 = the initial weights)."""
-    points = max(1, int(points))
-    return sorted({round(i * updates / points) for i in range(points + 1)})
-
-
-def initialize_engine(model, config, method):
-    """``deepspeed_acco.initialize`` (the engine under test; it delegates DeepSpeed's own optimizer
-    types to ``deepspeed.initialize``). While this checkout has no engine yet, DeepSpeed's own types
-    go straight to ``deepspeed.initialize``; ours cannot run."""
-    from .methods import engine_available
-    if engine_available():
-        import deepspeed_acco
-        return deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config), True
-    if method.ours:
-        raise RuntimeError(f"{method.label} needs deepspeed_acco's engine (deepspeed_acco.runtime), "
-                           "which this checkout does not have")
-    import deepspeed
-    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config), False
+def is_eval_update(update: int, eval_every: int, updates: int) -> bool:
+    """Whether the committed parameters after ``update`` updates are evaluated: the initial weights,
+    every ``eval_every`` updates, and the equal-samples point ``updates``."""
+    return update == 0 or update == updates or (eval_every > 0 and update % eval_every == 0)
 
 
 class _ComputeOnly:
     """The compute-only baseline behind the engine's training-loop interface: same model, batches
-    and per-update work (forward/backward per micro-batch, clipping, AdamW step), no communication."""
+    and per-update work (forward/backward per micro-batch, clipping, AdamW step on fp32 masters),
+    no communication. Under bf16 the model holds bf16 copies of the fp32 masters, as DeepSpeed's."""
 
     def __init__(self, model, args, world_size):
         import torch
         from .methods import warmup_decay_lr
-        self.module, self.args, self.torch = model, args, torch
-        self.opt = torch.optim.AdamW(model.parameters(), lr=warmup_decay_lr(0, args.lr, args.warmup, args.updates),
+        self.args, self.torch = args, torch
+        self.bf16 = args.precision == "bf16"
+        if self.bf16:
+            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+            model = model.to(torch.bfloat16)
+        else:
+            self.masters = list(model.parameters())
+        self.module = model
+        self.opt = torch.optim.AdamW(self.masters, lr=warmup_decay_lr(0, args.lr, args.warmup, args.updates),
                                      betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
         self.lr_at = lambda s: warmup_decay_lr(s, args.lr, args.warmup, args.updates)
         self.global_steps, self.global_samples, self._micro = 0, 0, 0
@@ -120,10 +140,19 @@ class _ComputeOnly:
         self._micro += 1
         if self._micro % self.args.grad_accum:
             return
+        params = list(self.module.parameters())
+        if self.bf16:
+            for master, p in zip(self.masters, params):
+                master.grad = None if p.grad is None else p.grad.float()
         if self.args.clip > 0:
-            self.torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.args.clip)
+            self.torch.nn.utils.clip_grad_norm_(self.masters, self.args.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.bf16:
+            with self.torch.no_grad():
+                for master, p in zip(self.masters, params):
+                    p.copy_(master)
+                    p.grad = None
         self.global_steps += 1
         self.global_samples += self.train_batch_size
         for group in self.opt.param_groups:
@@ -142,6 +171,8 @@ def co2_options(args) -> dict:
         out["outer_momentum"] = args.outer_momentum
     if args.gap_penalty is not None:
         out["gap_penalty"] = args.gap_penalty if args.gap_penalty == "adaptive" else float(args.gap_penalty)
+    if getattr(args, "group_size", 1) > 1:
+        out["group_size"] = int(args.group_size)
     return out
 
 
@@ -167,6 +198,12 @@ def _snapshot(engine):
 
 def evaluate(model, windows, batch_size: int) -> float:
     """Mean next-byte cross-entropy (nats) over the validation windows."""
+    total, count = evaluate_sum(model, windows, batch_size)
+    return total / max(count, 1)
+
+
+def evaluate_sum(model, windows, batch_size: int):
+    """``(sum over windows of the mean next-byte cross-entropy, number of windows)``."""
     import torch
     model.eval()
     total, count = 0.0, 0
@@ -175,7 +212,33 @@ def evaluate(model, windows, batch_size: int) -> float:
             x = torch.from_numpy(windows[i:i + batch_size])
             total += float(model(input_ids=x, labels=x).loss) * len(x)
             count += len(x)
-    return total / max(count, 1)
+    return total, count
+
+
+class _Validator:
+    """Evaluates a parameter copy on the fixed held-out windows, split over the ranks (window i on
+    rank i mod W); the all-reduced mean is the same number on every rank."""
+
+    def __init__(self, model, windows, rank: int, world: int, batch_size: int):
+        self.model, self.batch_size, self.world = model, batch_size, world
+        self.windows = windows[rank::world]
+
+    def __call__(self, state_dict) -> float:
+        import torch
+        import torch.distributed as dist
+        self.model.load_state_dict(state_dict)
+        total, count = evaluate_sum(self.model, self.windows, self.batch_size) if len(self.windows) else (0.0, 0)
+        if self.world > 1 and dist.is_initialized():
+            both = torch.tensor([total, float(count)], dtype=torch.float64)
+            dist.all_reduce(both)
+            total, count = float(both[0]), int(both[1])
+        return total / max(count, 1)
+
+
+def _write_error(run_dir: str, rank: int, exc: BaseException) -> None:
+    """Record why this rank could not start (the bench prints the first line, not a traceback)."""
+    with open(os.path.join(run_dir, f"error_rank{rank}.txt"), "w") as f:
+        f.write(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
 
 
 def run(args) -> dict:
@@ -184,13 +247,13 @@ def run(args) -> dict:
     import torch.distributed as dist
 
     from .data import WindowSampler, load_corpus, validation_windows
-    from .methods import METHODS, ds_config
+    from .methods import ds_config
     from .models import build_model, count_parameters
 
     t_proc = time.perf_counter()
     torch.set_num_threads(args.threads)
-    method = METHODS[args.method]
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    node = int(os.environ.get("GROUP_RANK", os.environ.get("CROSS_RANK", 0)))
     slow = parse_slow_rank(args.slow_rank)
     slow_factor = slow[1] if slow and slow[0] == rank else 1.0
     os.makedirs(args.run_dir, exist_ok=True)
@@ -200,38 +263,68 @@ def run(args) -> dict:
     model = build_model(args.model, args.ctx, args.seed)
     n_params = count_parameters(model)
 
-    used_acco_initialize = False
-    if method.optimizer is None:
+    if args.method == "compute":
         if world > 1 and not dist.is_initialized():  # only for the start barrier, never during training
             dist.init_process_group("gloo", rank=rank, world_size=world)
         if torch.cuda.is_available():  # on GPUs the floor is GPU compute too
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         engine = _ComputeOnly(model, args, world)
+        # Every rank's replica trains alone on its own batches; each evaluates its own on every window
+        # (the clock is paused), and rank 0's figure is "a lone replica" in the report.
+        validator = _Validator(build_model(args.model, args.ctx, args.seed), validation_windows(
+            corpus.val, args.ctx, args.val_windows), 0, 1, batch_size=max(1, 2 * args.micro_batch))
     else:
         cfg = ds_config(args.method, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                         lr=args.lr, total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay,
                         clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
-                        bf16=args.bf16, torch_adam=not torch.cuda.is_available(), co2_options=co2_options(args))
+                        bf16=args.precision == "bf16", torch_adam=not torch.cuda.is_available(),
+                        warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args))
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
                 json.dump(cfg, f, indent=1)
-        (engine, _, _, _), used_acco_initialize = initialize_engine(model, cfg, method)
+        import deepspeed_acco  # the engine under test; it delegates DeepSpeed's own optimizer types to deepspeed
+        try:
+            engine, _, _, _ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        except Exception as exc:
+            _write_error(args.run_dir, rank, exc)
+            raise
+        windows = validation_windows(corpus.val, args.ctx, args.val_windows)
+        validator = _Validator(build_model(args.model, args.ctx, args.seed), windows, rank, world,
+                               batch_size=max(1, 2 * args.micro_batch))
     device = getattr(engine, "device", None) or next(engine.module.parameters()).device
     train_batch_size = args.micro_batch * args.grad_accum * world
-    to_eval = set(eval_updates(args.updates, args.eval_points))
-    snapshots = {}
-    if 0 in to_eval:
-        snapshots[0] = _snapshot(engine)
 
+    val, snapshot_s, eval_s = {}, 0.0, 0.0
+
+    def validate(update):
+        nonlocal snapshot_s, eval_s
+        ts = time.perf_counter()
+        state = _snapshot(engine)
+        te = time.perf_counter()
+        val[update] = validator(state)
+        snapshot_s += te - ts
+        eval_s += time.perf_counter() - te
+
+    if validator is not None:
+        validate(0)
     log = open(os.path.join(args.run_dir, f"rank{rank}.jsonl"), "w", buffering=1)
     if dist.is_initialized():
         dist.barrier()
     t0 = time.perf_counter()
     cpu0, sys0 = time.process_time(), _system_cpu()
     init_s = t0 - t_proc
-    micro, losses, committed, snapshot_s, slow_s = 0, [], 0, 0.0, 0.0
-    while committed < args.updates:
+    micro, losses, committed, slow_s = 0, [], 0, 0.0
+    wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = None, None, None, None
+    reached_update, reached_wall = None, None
+    target = args.target_loss if validator is not None and args.method != "compute" else None
+    if target is not None and val[0] <= target:
+        reached_update, reached_wall = 0, 0.0
+
+    def paused() -> float:
+        return snapshot_s + eval_s
+
+    while True:
         x = torch.from_numpy(sampler.micro_batch_at(micro)).to(device)
         micro += 1
         tc = time.perf_counter()
@@ -249,51 +342,56 @@ def run(args) -> dict:
         if engine.global_steps == committed:
             continue
         committed = int(engine.global_steps)
-        ts = time.perf_counter()
-        if committed in to_eval:
-            snapshots[committed] = _snapshot(engine)
-        snapshot_s += time.perf_counter() - ts
+        wall = time.perf_counter() - t0 - paused()
         wait = getattr(engine, "communication_wait_s", None)
         engine_samples = int(getattr(engine, "global_samples", 0) or 0)
         # Committed samples: updates x global batch, except with dynamic accumulation, where only the
         # engine knows (it counts them at commit). Our engines count fixed-accumulation samples when
         # consumed, which runs ahead of the commits of a delayed method.
         samples = engine_samples if args.dynamic_accumulation else committed * train_batch_size
-        row = dict(update=committed, samples=samples, engine_samples=engine_samples,
-                   wall_s=time.perf_counter() - t0 - snapshot_s, loss=sum(losses) / len(losses),
-                   micro_batches=len(losses),
+        row = dict(update=committed, samples=samples, engine_samples=engine_samples, wall_s=wall,
+                   loss=sum(losses) / len(losses), micro_batches=len(losses),
                    comm_wait_s=None if wait is None else float(wait), lr=float(engine.get_lr()[0]))
         log.write(json.dumps(row) + "\n")
         losses = []
-    wall_s = time.perf_counter() - t0 - snapshot_s  # the clock stops while parameters are copied
+        if committed == args.updates:
+            wall_at_updates, cpu_at_updates, sys_at_updates = wall, time.process_time() - cpu0, _system_cpu()
+            paused_at_updates = snapshot_s
+        if validator is not None and is_eval_update(committed, args.eval_every, args.updates):
+            validate(committed)
+            if target is not None and reached_update is None and val[committed] <= target:
+                reached_update, reached_wall = committed, wall
+        if committed >= args.max_updates or (committed >= args.updates
+                                             and (target is None or reached_update is not None)):
+            break
+    final_wall = time.perf_counter() - t0 - paused()  # the clock stops while parameters are copied/evaluated
     cpu_s, sys1 = time.process_time() - cpu0, _system_cpu()
     log.close()
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
     peak_gpu_mib = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     wait = getattr(engine, "communication_wait_s", None)
-
-    # Validation of the copies, after the clock stopped; the ranks split the copies between them.
-    windows = validation_windows(corpus.val, args.ctx, args.val_windows)
-    eval_model = build_model(args.model, args.ctx, args.seed)
-    val = {}
-    for i, update in enumerate(sorted(snapshots)):
-        if i % world == rank:
-            eval_model.load_state_dict(snapshots[update])
-            val[update] = evaluate(eval_model, windows, batch_size=max(1, 2 * args.micro_batch))
     engine_samples = int(getattr(engine, "global_samples", 0) or 0)
-    summary = dict(method=args.method, rank=rank, world_size=world, updates=committed, micro_batches=micro,
-                   samples=engine_samples if args.dynamic_accumulation else committed * train_batch_size,
-                   engine_samples=engine_samples,
-                   train_batch_size=train_batch_size, wall_s=wall_s, init_s=init_s, snapshot_s=snapshot_s,
-                   wall_incl_copies_s=wall_s + snapshot_s,
+    at_updates = min(committed, args.updates)
+    # The equal-samples numbers are those at --updates; CPU accounting too, so that the noise check
+    # covers the same span as the wall-clock it qualifies.
+    if wall_at_updates is None:
+        wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = final_wall, cpu_s, sys1, snapshot_s
+    summary = dict(method=args.method, rank=rank, node=node, world_size=world, updates=at_updates,
+                   final_update=committed, micro_batches=micro,
+                   samples=engine_samples if args.dynamic_accumulation else at_updates * train_batch_size,
+                   engine_samples=engine_samples, precision=args.precision,
+                   train_batch_size=train_batch_size, wall_s=wall_at_updates, final_wall_s=final_wall,
+                   init_s=init_s, snapshot_s=snapshot_s, eval_s=eval_s, snapshot_at_updates_s=paused_at_updates,
+                   wall_incl_copies_s=final_wall + snapshot_s,
+                   target_loss=target, reached_update=reached_update, reached_wall_s=reached_wall,
+                   max_updates=args.max_updates,
                    slow_sleep_s=slow_s, comm_wait_s=None if wait is None else float(wait),
-                   peak_rss_mib=peak_rss_mib, peak_gpu_mib=peak_gpu_mib, cpu_s=cpu_s,
-                   machine_busy_s=None if sys0 is None or sys1 is None else sys1[0] - sys0[0],
-                   machine_steal_s=None if sys0 is None or sys1 is None else sys1[1] - sys0[1], n_params=n_params, slow_factor=slow_factor,
-                   engine=type(engine).__name__, via_deepspeed_acco_initialize=used_acco_initialize,
-                   val_windows=int(len(windows)), val_tokens=int(windows.size),
-                   val={str(k): v for k, v in val.items()}, corpus=corpus.describe(),
-                   torch_threads=torch.get_num_threads())
+                   peak_rss_mib=peak_rss_mib, peak_gpu_mib=peak_gpu_mib, cpu_s=cpu_at_updates,
+                   machine_busy_s=None if sys0 is None or sys_at_updates is None else sys_at_updates[0] - sys0[0],
+                   machine_steal_s=None if sys0 is None or sys_at_updates is None else sys_at_updates[1] - sys0[1],
+                   n_params=n_params, slow_factor=slow_factor, engine=type(engine).__name__,
+                   val_windows=args.val_windows, val={str(k): v for k, v in sorted(val.items())},
+                   corpus=corpus.describe(), torch_threads=torch.get_num_threads())
     with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if dist.is_initialized():

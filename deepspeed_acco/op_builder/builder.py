@@ -4,7 +4,8 @@ DeepSpeed's builders assume they belong to DeepSpeed: ``load()`` imports prebuil
 ``deepspeed.ops``, sources are relative to the deepspeed package, and a missing dependency is
 printed as a warning from ``is_compatible()``. This mixin adapts them to a third-party package:
 
-* sources are absolute paths into this repository's ``csrc/``;
+* sources are absolute paths into the kernel sources: ``deepspeed_acco/_csrc`` in an installed
+  wheel (``setup.py`` copies ``csrc/`` there), else the source checkout's ``csrc/``;
 * ``absolute_name()`` is ``deepspeed_acco.ops.<name>_op``, where the ahead-of-time build
   (``DS_BUILD_ACCO_OPS=1 pip install --no-build-isolation .``) puts the compiled module;
 * ``load()`` uses that prebuilt module if it exists and was built from the current sources, and
@@ -22,8 +23,14 @@ from typing import List
 
 logger = logging.getLogger(__name__)
 
-# csrc/ sits next to the deepspeed_acco package in a source checkout or an editable install.
-CSRC_DIR = Path(__file__).resolve().parent.parent.parent / "csrc"
+# An installed wheel carries the kernel sources inside the package (setup.py's build_py copies
+# them); a source checkout or an editable install has csrc/ next to the package.
+_PACKAGED_CSRC = Path(__file__).resolve().parent.parent / "_csrc"
+_CHECKOUT_CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
+CSRC_DIR = _PACKAGED_CSRC if _PACKAGED_CSRC.is_dir() else _CHECKOUT_CSRC
+
+# Op modules loaded in this process, by op name (each builder loads at most once).
+_LOADED = {}
 
 # Name of the macro (and module attribute) that carries the source digest of a compiled op.
 _DIGEST_MACRO = "ACCO_OPS_SOURCE_DIGEST"
@@ -68,8 +75,8 @@ class AccoBuilderMixin:
 
     def _missing_sources_reason(self) -> str:
         missing = [path for path in self.sources() if not os.path.isfile(path)]
-        return (f"{self.NAME} sources not found ({', '.join(missing)}); JIT builds need a source checkout "
-                "(pip install -e .) or an ahead-of-time build (DS_BUILD_ACCO_OPS=1)")
+        return (f"{self.NAME} sources not found ({', '.join(missing)}); reinstall deepspeed-acco (its wheel "
+                "carries them in deepspeed_acco/_csrc) or build the ops ahead of time (DS_BUILD_ACCO_OPS=1)")
 
     def _incompatible(self, reason: str, verbose: bool) -> bool:
         self.error_log = reason
@@ -88,9 +95,7 @@ class AccoBuilderMixin:
         return True
 
     def load(self, verbose: bool = False):
-        from deepspeed.ops.op_builder.builder import OpBuilder
-
-        loaded = OpBuilder._loaded_ops.get(self.name)
+        loaded = _LOADED.get(self.name)
         if loaded is not None:
             return loaded
         module = self._load_prebuilt()
@@ -99,7 +104,7 @@ class AccoBuilderMixin:
             if not self.is_compatible(verbose):
                 raise RuntimeError(self.error_log)
             module = self.jit_load(verbose)
-        OpBuilder._loaded_ops[self.name] = module
+        _LOADED[self.name] = module
         return module
 
     def _load_prebuilt(self):

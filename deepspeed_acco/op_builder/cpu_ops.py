@@ -40,7 +40,8 @@ class AccoCPUOpsBuilder(AccoBuilderMixin, OpBuilder):
         super().__init__(name=self.NAME)
 
     def csrc_sources(self):
-        return ["cpu/acco_cpu_frontend.cpp", "cpu/acco_cpu_kernels.cpp"]
+        return ["cpu/acco_cpu_frontend.cpp", "cpu/acco_cpu_kernels.cpp", "cpu/acco_cpu_quant_frontend.cpp",
+                "cpu/acco_cpu_quant.cpp"]
 
     def cxx_args(self):
         args = ["-O3", "-fopenmp", "-Wno-reorder"] + cpu_arch_flags() + NUMERIC_FLAGS

@@ -25,7 +25,8 @@ class AccoCUDAOpsBuilder(AccoBuilderMixin, CUDAOpBuilder):
         super().__init__(name=self.NAME)
 
     def csrc_sources(self):
-        return ["cuda/acco_cuda_frontend.cpp", "cuda/acco_cuda_kernels.cu"]
+        return ["cuda/acco_cuda_frontend.cpp", "cuda/acco_cuda_kernels.cu", "cuda/acco_cuda_quant_frontend.cpp",
+                "cuda/acco_cuda_quant.cu"]
 
     def cxx_args(self):
         return super().cxx_args() + [self.digest_define()]

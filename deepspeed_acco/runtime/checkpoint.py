@@ -1,26 +1,37 @@
-"""Checkpoints in DeepSpeed's ZeRO-1 layout, continuing the overlapped pipeline exactly (DESIGN 5).
+"""Checkpoints in DeepSpeed's ZeRO-1 layout that continue the overlapped pipeline exactly (docs/design.md, 5).
 
 Layout (``save_dir/tag/``), as DeepSpeed writes it, so its tools and loaders understand ours:
-  mp_rank_00_model_states.pt                   rank 0: module (what the model holds), counters,
-                                               LR scheduler, config, param shapes
+  mp_rank_00_model_states.pt                   rank 0: the committed module weights, counters and
+                                               LR-scheduler state as of the committed update,
+                                               config, param shapes
   [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt
-                                               rank r: its fp32 master shard (CO2: anchor shard),
-                                               AdamW moment shards and step, plus under the key
-                                               "deepspeed_acco" the in-flight state of the schedule
+                                               rank r: DeepSpeed's partition r (in DeepSpeed's
+                                               shard layout) of the fp32 masters (CO2: anchors)
+                                               and of the AdamW moments, the committed step, and
+                                               under the key "deepspeed_acco" the rank's own
+                                               in-flight state
 
-The in-flight state is what a round boundary leaves behind: the phase, the finished-but-not-yet-
-installed job result (its output is either the master weights or, for an ACCO estimate, a
-stored shard), ACCO's kept first-half gradient shard, CO2's anchors and outer momentum. Every
-piece is a shard, so a rank's file is O(params / W); only a save in the middle of a round adds
-the rank's partial gradient sums (O(params)), and a CO2 save inside an outer round its replica. Loading reads every rank's file and rebuilds full
-vectors, which also re-shards for a different world size.
+DeepSpeed's fields describe the *committed* state: when a commit has finished but is not installed
+yet, its step count, LR-scheduler step and loss-scale update are already counted there, so that
+another type, or DeepSpeed itself, continues from the committed update. The live counters, the
+phase, the finished job's result, the schedule's further shards (ACCO's estimate and first-half
+gradient, what the model holds when it is not the committed weights, CO2's anchors and momentum)
+and the rank's private tensors (partial gradient sums of a round in progress, CO2's replica
+state) are under "deepspeed_acco". Shards are converted between this engine's layout (64-byte
+aligned shards) and DeepSpeed's by point-to-point exchanges at save and load.
 
-Saving is atomic: files go to a staging directory that is renamed into place once every rank
-has written, and ``latest`` is replaced last, so a crash mid-save leaves the previous checkpoint
-and ``latest`` intact.
+Loading at the same world size reads only the rank's own optimizer file; at another world size a
+rank reads, memory-mapped, only the slices of the files that cover its new shard.
+
+Saving is atomic: files go to a staging directory that replaces the tag's directory in one
+``renameat2(RENAME_EXCHANGE)`` (where the filesystem lacks it: retire, rename, and a loader that
+recovers a retired directory), and ``latest`` is replaced last.
 """
 import collections
-import dataclasses
+import ctypes
+import ctypes.util
+import errno
+import glob
 import logging
 import os
 import shutil
@@ -29,24 +40,22 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..config import CO2
-from .comm import CompletedWork
-from .flat import FlatParamGroup, padded_numel
-from .jobs import JobKind, JobResult
-from .schedule import Phase
+from .flat import ShardGeometry, aligned_geometry, deepspeed_geometry
+from .schedule import CheckpointState
 
 MODEL_STATES_NAME = "mp_rank_00_model_states.pt"
 LATEST_NAME = "latest"
 OUR_KEY = "deepspeed_acco"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 OPTIMIZER_STATE_KEY = "optimizer_state_dict"
-logger = logging.getLogger("deepspeed_acco")
+logger = logging.getLogger("DeepSpeed").getChild("acco")
 
 
 def optimizer_states_name(rank: int, bf16: bool) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
+# ---- files and directories ---------------------------------------------------------------------
 def _atomic_save(obj: Any, path: str) -> None:
     temporary = f"{path}.tmp-{os.getpid()}"
     with open(temporary, "wb") as handle:
@@ -73,16 +82,157 @@ def _fsync_directory(path: str) -> None:
         os.close(descriptor)
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
 
 
-def _valid_prefix(shard: torch.Tensor, numel: int, rank: int) -> int:
-    """How many leading elements of rank ``rank``'s shard are real parameters (not padding)."""
-    return max(0, min(shard.numel(), numel - rank * shard.numel()))
+def _exchange_directories(first: str, second: str) -> bool:
+    """Swap two directories atomically (Linux renameat2); False where the OS or filesystem cannot."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"renameat2({first!r}, {second!r}, RENAME_EXCHANGE) failed: {os.strerror(code)}")
 
 
+def _retired_name(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, f".{tag}.retired")
+
+
+def _replace_directory(staging: str, final: str, retired: str) -> None:
+    """Make ``staging`` the tag's directory; the old one (if any) is removed afterwards."""
+    if not os.path.exists(final):
+        os.rename(staging, final)
+        shutil.rmtree(retired, ignore_errors=True)  # left by an interrupted earlier save, if any
+        return
+    if _exchange_directories(staging, final):
+        shutil.rmtree(staging, ignore_errors=True)  # now holds the old checkpoint
+        return
+    # No atomic exchange here: retire the old directory first. A crash between the two renames
+    # leaves ``retired`` complete; _resolve_directory() loads it in that case.
+    shutil.rmtree(retired, ignore_errors=True)
+    os.rename(final, retired)
+    os.rename(staging, final)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _resolve_directory(load_dir: str, tag: str) -> str:
+    final = os.path.join(load_dir, tag)
+    if os.path.isdir(final):
+        return final
+    retired = _retired_name(load_dir, tag)
+    if os.path.isfile(os.path.join(retired, MODEL_STATES_NAME)):
+        logger.warning("load_checkpoint: %s is missing but its previous version %s is complete (a save was "
+                       "interrupted while replacing it); loading that", final, retired)
+        return retired
+    return final
+
+
+# ---- shard layouts ---------------------------------------------------------------------------
+def _our_geometry(shard: torch.Tensor, numel: int, world_size: int) -> ShardGeometry:
+    return ShardGeometry(numel=numel, world_size=world_size, shard_numel=shard.numel())
+
+
+def _overlap(a: Tuple[int, int], b: Tuple[int, int], numel: int) -> Tuple[int, int]:
+    start, stop = max(a[0], b[0]), min(a[1], b[1], numel)
+    return start, max(start, stop)
+
+
+def _repartition_job(communicator, pieces: List[Tuple[torch.Tensor, ShardGeometry, ShardGeometry]]):
+    """A lane job that moves each shard from its source layout to its destination layout.
+
+    ``pieces``: (this rank's shard in the source layout, source, destination); returns the rank's
+    shards in the destination layouts (padding zero).
+    """
+    rank = communicator.rank
+
+    def job():
+        outputs, sends, receives = [], [], []
+        for shard, source, destination in pieces:
+            output = torch.zeros(destination.shard_numel, dtype=shard.dtype, device=shard.device)
+            outputs.append(output)
+            numel = source.numel
+            mine_src, mine_dst = source.shard_range(rank), destination.shard_range(rank)
+            for peer in range(source.world_size):
+                start, stop = _overlap(mine_src, destination.shard_range(peer), numel)
+                if stop > start:
+                    piece = shard[start - mine_src[0]:stop - mine_src[0]]
+                    if peer == rank:
+                        output[start - mine_dst[0]:stop - mine_dst[0]].copy_(piece)
+                    else:
+                        sends.append((peer, piece.contiguous()))
+                if peer == rank:
+                    continue
+                start, stop = _overlap(source.shard_range(peer), mine_dst, numel)
+                if stop > start:
+                    receives.append((peer, output[start - mine_dst[0]:stop - mine_dst[0]]))
+        communicator.exchange(sends, receives)
+        return outputs
+    return job
+
+
+def _run_on_lane(engine, job, label: str):
+    return engine.lane.submit(job, engine.schedule.communicator_for_checkpoints(), label=label).wait()
+
+
+def _to_layout(engine, tensors: List[torch.Tensor], numels: List[int], to_deepspeed: bool) -> List[torch.Tensor]:
+    """Convert per-group shards between our layout and DeepSpeed's (collective)."""
+    world_size = engine.world_size
+    pieces = []
+    for shard, numel in zip(tensors, numels):
+        ours = ShardGeometry(numel=numel, world_size=world_size,
+                             shard_numel=shard.numel() if to_deepspeed else _our_shard_numel(engine, numel))
+        theirs = deepspeed_geometry(numel, world_size)
+        pieces.append((shard, ours, theirs) if to_deepspeed else (shard, theirs, ours))
+    if world_size == 1:
+        return [_copy_into(shard, destination.shard_numel, source.numel) for shard, source, destination in pieces]
+    return _run_on_lane(engine, _repartition_job(engine.schedule.communicator_for_checkpoints(), pieces),
+                        "checkpoint shard layout")
+
+
+def _copy_into(shard: torch.Tensor, size: int, numel: int) -> torch.Tensor:
+    """``shard`` (or its first ``numel`` elements) in a zero-padded tensor of ``size`` elements."""
+    output = torch.zeros(size, dtype=shard.dtype, device=shard.device)
+    count = min(size, shard.numel(), numel)
+    output[:count].copy_(shard[:count])
+    return output
+
+
+def _our_shard_numel(engine, numel: int) -> int:
+    """Our shard size over all ranks (CO2's outer shards included) for a vector of ``numel`` elements."""
+    return aligned_geometry(numel, engine.world_size).shard_numel
+
+
+def _gather_full_job(communicator, shards: List[torch.Tensor], dtypes: List[torch.dtype]):
+    def job():
+        outputs = []
+        for shard, dtype in zip(shards, dtypes):
+            full = torch.empty(shard.numel() * communicator.world_size, dtype=shard.dtype, device=shard.device)
+            communicator.all_gather(full, shard)
+            outputs.append(full.to(dtype))
+        return outputs
+    return job
+
+
+def make_gather_full(engine):
+    """``gather_full(shards, dtype=None)``: every rank's shard of each group, concatenated (collective)."""
+    def gather_full(shards: List[torch.Tensor], dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+        dtypes = [dtype or flat.model_dtype for flat in engine.optimizer.flats]
+        communicator = engine.schedule.communicator_for_checkpoints()
+        if communicator.world_size == 1:
+            return [shard.to(d, copy=True) for shard, d in zip(shards, dtypes)]
+        return _run_on_lane(engine, _gather_full_job(communicator, shards, dtypes), "checkpoint all-gather")
+    return gather_full
+
+
+# ---- save ------------------------------------------------------------------------------------
 def _param_names(module: torch.nn.Module) -> Tuple[Dict[int, str], Dict[str, str]]:
     names, shared = {}, {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -93,10 +243,10 @@ def _param_names(module: torch.nn.Module) -> Tuple[Dict[int, str], Dict[str, str
     return names, shared
 
 
-def _slice_mappings(flat: FlatParamGroup, names: Dict[int, str], shard_numel: int, rank: int):
-    """Per parameter, the fragment of it that lies in this rank's shard (DeepSpeed's param_slice_mappings)."""
+def _slice_mappings(flat, names: Dict[int, str], geometry: ShardGeometry, rank: int):
+    """Per parameter, the fragment of it that lies in DeepSpeed's partition ``rank`` (param_slice_mappings)."""
     from deepspeed.utils.tensor_fragment import fragment_address
-    low, high = rank * shard_numel, (rank + 1) * shard_numel
+    low, high = geometry.shard_range(rank)
     mappings = collections.OrderedDict()
     for p, offset in zip(flat.params, flat.offsets):
         start, end = max(offset, low), min(offset + p.numel(), high)
@@ -105,53 +255,78 @@ def _slice_mappings(flat: FlatParamGroup, names: Dict[int, str], shard_numel: in
     return mappings
 
 
-def _result_to_dict(result) -> Dict:
-    values = dataclasses.asdict(result)
-    values.pop("timings_s", None)
-    if isinstance(values.get("kind"), JobKind):
-        values["kind"] = values["kind"].value
-    return values
-
-
-# ---- save ----------------------------------------------------------------------------------
 def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: Dict, save_latest: bool) -> bool:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without path separators")
-    engine.schedule.drain()  # the running job finishes; its result stays pending, and is saved
-    rank = engine.global_rank
+    schedule = engine.schedule
+    schedule.synchronize()  # every rank at the same job, which has finished; its result stays pending
+    state = schedule.checkpoint_state()
+    mid_round = engine.control.max(int(state.meta["round_micro_batches"] > 0)) > 0
+    progress, loss_scale, scheduler_state, lrs = schedule.committed_view()
+    numels = [flat.numel for flat in engine.optimizer.flats]
+    rank, world_size = engine.global_rank, engine.world_size
+
+    names = _names_in_order(state)
+    flat_list = [t for name in names for t in _tensors_of(state, name)]
+    converted = _to_layout(engine, flat_list, numels * len(names), to_deepspeed=True)
+    by_name = {name: converted[i * len(numels):(i + 1) * len(numels)] for i, name in enumerate(names)}
+
     final_directory = os.path.join(save_dir, tag)
     staging = os.path.join(save_dir, f".{tag}.staging")
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    _barrier()
-    bf16 = engine.config.precision == "bf16"
-    _atomic_save(_optimizer_states(engine), os.path.join(staging, optimizer_states_name(rank, bf16)))
+    engine.control.barrier()
+    bf16 = engine.engine_config.precision == "bf16"
+    optimizer_file = _optimizer_states(engine, state, by_name, progress, loss_scale, lrs)
+    _atomic_save(optimizer_file, os.path.join(staging, optimizer_states_name(rank, bf16)))
+    committed_module = _committed_module_state(engine)
     if rank == 0:
-        _atomic_save(_model_states(engine, client_state), os.path.join(staging, MODEL_STATES_NAME))
-    _barrier()
+        model_file = _model_states(engine, committed_module, client_state, progress, scheduler_state, mid_round)
+        _atomic_save(model_file, os.path.join(staging, MODEL_STATES_NAME))
+    engine.control.barrier()
     if rank == 0:
-        retired = None
-        if os.path.exists(final_directory):
-            retired = os.path.join(save_dir, f".{tag}.retired-{os.getpid()}")
-            os.rename(final_directory, retired)
-        os.rename(staging, final_directory)
-        if retired is not None:
-            shutil.rmtree(retired, ignore_errors=True)
+        _fsync_directory(staging)
+        _replace_directory(staging, final_directory, _retired_name(save_dir, tag))
         if save_latest:
             _atomic_write_text(os.path.join(save_dir, LATEST_NAME), tag)
         _fsync_directory(save_dir)
-    _barrier()
+    engine.control.barrier()
     return True
 
 
-def _model_states(engine, client_state: Dict) -> Dict:
+# Names of the re-shardable vectors in a CheckpointState: masters, each rule-state tensor, then
+# the schedule's further shards.
+def _names_in_order(state: CheckpointState) -> List[str]:
+    names = ["fp32"]
+    if state.rule_state is not None:
+        names += [f"rule:{key}" for key in state.rule_state[0]]
+    names += [f"sharded:{key}" for key in sorted(state.sharded)]
+    return names
+
+
+def _tensors_of(state: CheckpointState, name: str) -> List[torch.Tensor]:
+    if name == "fp32":
+        return state.fp32_partitions
+    kind, key = name.split(":", 1)
+    if kind == "rule":
+        return [group[key] for group in state.rule_state]
+    return state.sharded[key]
+
+
+def _committed_module_state(engine) -> Dict[str, torch.Tensor]:
+    """The module's state dict with the committed parameters in it (what DeepSpeed's tools expect)."""
+    with engine.schedule.committed_parameters():
+        return {key: value.detach().to("cpu", copy=True) for key, value in engine.module.state_dict().items()}
+
+
+def _model_states(engine, module_state, client_state: Dict, progress, scheduler_state, mid_round: bool) -> Dict:
     import deepspeed
     names, shared = _param_names(engine.module)
     state = {
-        "module": engine.module.state_dict(),
+        "module": module_state,
         "buffer_names": [name for name, _ in engine.module.named_buffers()],
         "optimizer": None,
         "param_shapes": [collections.OrderedDict((names[id(p)], p.shape) for p in flat.params)
@@ -159,53 +334,64 @@ def _model_states(engine, client_state: Dict) -> Dict:
         "frozen_param_shapes": None,
         "shared_params": shared,
         "frozen_param_fragments": None,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "lr_scheduler": scheduler_state,
         "data_sampler": None,
         "random_ltd": None,
         "sparse_tensor_module_names": set(),
-        "skipped_steps": engine.skipped_steps,
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
+        "skipped_steps": progress.skipped_steps,
+        "global_steps": progress.global_steps,
+        "global_samples": progress.global_samples,
         "dp_world_size": engine.world_size,
         "mp_world_size": 1,
-        "ds_config": engine.config.raw,
+        "ds_config": engine.config,
         "ds_version": deepspeed.__version__,
     }
     state.update(client_state)
-    state[OUR_KEY] = {"format": FORMAT_VERSION, "optimizer_type": engine.config.optimizer_type,
-                      "micro_steps": engine.micro_steps, "scheduler_steps": engine._scheduler_steps,
-                      "applied_steps": engine.optimizer.applied_steps}
+    state[OUR_KEY] = {"format": FORMAT_VERSION, "optimizer_type": engine.engine_config.optimizer_type,
+                      "mid_round": mid_round, "group_size": getattr(engine.engine_config.params, "group_size", 1)}
     return state
 
 
-def _optimizer_states(engine) -> Dict:
+def _optimizer_states(engine, state: CheckpointState, by_name, progress, loss_scale, lrs) -> Dict:
     import deepspeed
     from deepspeed.runtime.zero.config import ZeroStageEnum
     optimizer, schedule = engine.optimizer, engine.schedule
     rank, world_size = engine.global_rank, engine.world_size
     names, _ = _param_names(engine.module)
-    co2 = engine.config.optimizer_type == CO2
-    # DeepSpeed's fp32 partitions: the committed weights. For CO2 that is the anchor (sharded
-    # over all ranks), so DeepSpeed's zero_to_fp32 and ours consolidate the averaged model.
-    committed = [state.anchor for state in schedule.outers] if co2 else [shard.master for shard in optimizer.shards]
     single_partitions, paddings, mappings = [], [], []
-    for flat, shard in zip(optimizer.flats, committed):
-        valid = _valid_prefix(shard, flat.numel, rank)
-        single_partitions.append(shard[:valid].clone())
-        paddings.append(shard.numel() - valid)
-        mappings.append(_slice_mappings(flat, names, shard.numel(), rank))
+    for flat, partition in zip(optimizer.flats, by_name["fp32"]):
+        geometry = deepspeed_geometry(flat.numel, world_size)
+        valid = geometry.valid_numel(rank)
+        single_partitions.append(partition[:valid].cpu())
+        paddings.append(geometry.shard_numel - valid)
+        mappings.append(_slice_mappings(flat, names, geometry, rank))
     base_state = {"state": {}, "param_groups": []}
-    for index, (flat, shard) in enumerate(zip(optimizer.flats, optimizer.shards)):
-        base_state["state"][index] = {"step": optimizer.applied_steps, "exp_avg": shard.exp_avg.clone(),
-                                      "exp_avg_sq": shard.exp_avg_sq.clone()}
+    for index, (flat, lr) in enumerate(zip(optimizer.flats, lrs)):
+        entry = {"step": progress.applied_steps}
+        if state.rule_state is not None:
+            for key in state.rule_state[index]:
+                entry[key] = by_name[f"rule:{key}"][index].cpu()
+        base_state["state"][index] = entry
         group = {key: value for key, value in flat.param_group.items() if key != "params"}
-        group.update(bias_correction=True, params=[index])
+        group.update(lr=lr, bias_correction=True, params=[index])
         base_state["param_groups"].append(group)
-    state = {
-        "loss_scaler": engine.loss_scaler,
-        "dynamic_loss_scale": bool(getattr(engine.loss_scaler, "dynamic", False)),
+    ours = {
+        "format": FORMAT_VERSION,
+        "optimizer_type": engine.engine_config.optimizer_type,
+        "world_size": world_size,
+        "meta": state.meta,
+        "progress": schedule.progress.state_dict(),
+        "lr_scheduler": schedule.lr_scheduler.state_dict() if schedule.lr_scheduler is not None else None,
+        "param_group_lrs": [group["lr"] for group in optimizer.param_groups],
+        "loss_scale": vars(schedule.loss_scale).copy(),
+        "sharded": {key: [t.cpu() for t in by_name[f"sharded:{key}"]] for key in state.sharded},
+        "local": _to_cpu(state.local),
+    }
+    file_state = {
+        "loss_scaler": loss_scale.to_deepspeed(),
+        "dynamic_loss_scale": loss_scale.dynamic,
         "overflow": False,
-        "clip_grad": engine.config.gradient_clipping,
+        "clip_grad": engine.engine_config.gradient_clipping,
         "base_optimizer_state": base_state,
         "single_partition_of_fp32_groups": single_partitions,
         "zero_stage": ZeroStageEnum.optimizer_states,
@@ -214,50 +400,50 @@ def _optimizer_states(engine) -> Dict:
         "partition_count": [world_size] * len(optimizer.flats),
         "ds_version": deepspeed.__version__,
         "param_slice_mappings": mappings,
-        OUR_KEY: _in_flight_state(engine),
+        OUR_KEY: ours,
     }
-    return {OPTIMIZER_STATE_KEY: state, "ds_config": engine.config.raw, "ds_version": deepspeed.__version__}
+    return {OPTIMIZER_STATE_KEY: file_state, "ds_config": engine.config, "ds_version": deepspeed.__version__}
 
 
-def _in_flight_state(engine) -> Dict:
-    schedule, optimizer = engine.schedule, engine.optimizer
-    state = {
-        "format": FORMAT_VERSION,
-        "optimizer_type": engine.config.optimizer_type,
-        "world_size": engine.world_size,
-        "phase": schedule.phase.value,
-        "round_micro_batches": schedule.round_micro_batches,
-        "grad_accum": ([flat.unpadded(flat.grad_accum).clone() for flat in optimizer.flats]
-                       if schedule.round_micro_batches else None),
-        "pending": None,
-    }
-    if schedule.running is not None:
-        result = schedule.running.wait()
-        state["pending"] = {"kind": schedule.running_kind.value if schedule.running_kind else "outer",
-                            "result": _result_to_dict(result)}
-        if schedule.running_kind is JobKind.ESTIMATE:
-            state["estimate_shards"] = [flat.shard_of(flat.gather).clone() for flat in optimizer.flats]
-    if schedule.phase is Phase.SECOND_HALF:
-        state["first_half_sum"] = [shard.first_half_sum.clone() for shard in optimizer.shards]
-    if engine.config.optimizer_type == CO2:
-        mid_round = schedule.inner_steps_in_round > 0 or schedule.round_micro_batches > 0
-        state["co2"] = {
-            "group_size": engine.config.optimizer.group_size,
-            # Mid-round, each group's replica has drifted from the others and from the module
-            # states rank 0 saved, so every rank keeps its own (O(params); at an outer boundary all
-            # replicas equal the anchor and nothing extra is stored).
-            "replica": [flat.unpadded(flat.model_flat).clone() for flat in optimizer.flats] if mid_round else None,
-            "inner_master": [shard.master.clone() for shard in optimizer.shards],
-            "prev_anchor": [outer.prev_anchor.clone() for outer in schedule.outers],
-            "momentum": [outer.momentum.clone() for outer in schedule.outers],
-            "inner_steps_in_round": schedule.inner_steps_in_round,
-            "outer_rounds": schedule.outer_rounds,
-            "outer_skips": schedule.outer_skips,
-        }
-    return state
+def _to_cpu(value):
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    return value
 
 
-# ---- load ----------------------------------------------------------------------------------
+# ---- load ------------------------------------------------------------------------------------
+def _load(path: str):
+    """Memory-mapped: only the bytes that are used get read."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _optimizer_file_path(directory: str, rank: int) -> str:
+    for bf16 in (False, True):
+        path = os.path.join(directory, optimizer_states_name(rank, bf16))
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"load_checkpoint: optimizer states of rank {rank} are missing in {directory}; pass "
+                            "load_optimizer_states=False to load the weights only")
+
+
+class _SavedFiles:
+    """The optimizer files of a checkpoint, opened on demand (each at most once)."""
+
+    def __init__(self, directory: str, world_size: int):
+        self.directory = directory
+        self.world_size = world_size
+        self._opened: Dict[int, Dict] = {}
+
+    def __getitem__(self, rank: int) -> Dict:
+        if rank not in self._opened:
+            self._opened[rank] = _load(_optimizer_file_path(self.directory, rank))[OPTIMIZER_STATE_KEY]
+        return self._opened[rank]
+
+
 def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_module_strict: bool, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool):
     if tag is None:
@@ -269,33 +455,34 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_module_stric
             return None, None
         with open(latest) as handle:
             tag = handle.read().strip()
-    directory = os.path.join(load_dir, str(tag))
+    directory = _resolve_directory(load_dir, str(tag))
     model_path = os.path.join(directory, MODEL_STATES_NAME)
     if not os.path.isfile(model_path):
         raise FileNotFoundError(f"load_checkpoint: {model_path} does not exist (tag {tag!r} in {load_dir!r})")
-    engine.schedule.drain()
-    model_states = torch.load(model_path, map_location="cpu", weights_only=False)
+    schedule = engine.schedule
+    schedule.synchronize()
+    model_states = _load(model_path)
     saved_world_size = int(model_states.get("dp_world_size", engine.world_size))
-    optimizer_files = _read_optimizer_files(directory, saved_world_size) if load_optimizer_states else None
-    if optimizer_files is not None:
-        _check_compatible(engine, model_states, optimizer_files, saved_world_size)
+    files = _SavedFiles(directory, saved_world_size) if load_optimizer_states else None
+    ours = model_states.get(OUR_KEY)
+    same_type = ours is not None and ours.get("optimizer_type") == engine.engine_config.optimizer_type
+    if files is not None:
+        _check_compatible(engine, model_states, files, saved_world_size, same_type)
 
     engine.module.load_state_dict(model_states["module"], strict=load_module_strict)
-    if optimizer_files is not None:
-        _load_optimizer(engine, optimizer_files, saved_world_size)
-    else:  # weights only: the optimizer keeps its state; every copy of the weights follows the module
+    if files is None:  # weights only: the optimizer keeps its state; every copy of the weights follows the module
         for shard, flat in zip(engine.optimizer.shards, engine.optimizer.flats):
             shard.master.copy_(flat.shard_of(flat.model_flat))
-        engine.schedule.reset()
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and model_states.get("lr_scheduler"):
-        engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
-    if load_optimizer_states:
-        engine.global_steps = int(model_states.get("global_steps", 0))
-        engine.global_samples = int(model_states.get("global_samples", 0))
-        engine.skipped_steps = int(model_states.get("skipped_steps", 0))
-        ours = model_states.get(OUR_KEY, {})
-        engine.micro_steps = int(ours.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
-        engine._scheduler_steps = int(ours.get("scheduler_steps", engine.global_steps))
+        schedule.reset()
+    elif same_type:
+        _load_same_type(engine, files, saved_world_size)
+    else:
+        _load_committed_state(engine, files, saved_world_size, model_states)
+    if load_lr_scheduler_states and engine.lr_scheduler is not None:
+        saved_scheduler = _own(files, engine, saved_world_size)[OUR_KEY]["lr_scheduler"] \
+            if files is not None and same_type else model_states.get("lr_scheduler")
+        if saved_scheduler:
+            engine.lr_scheduler.load_state_dict(saved_scheduler)
     known = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
              "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
              "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
@@ -304,175 +491,169 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_module_stric
     return model_path, client_state
 
 
-def _read_optimizer_files(directory: str, saved_world_size: int) -> List[Dict]:
-    files = []
-    for rank in range(saved_world_size):
-        for bf16 in (False, True):
-            path = os.path.join(directory, optimizer_states_name(rank, bf16))
-            if os.path.isfile(path):
-                files.append(torch.load(path, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_KEY])
-                break
-        else:
-            raise FileNotFoundError(f"load_checkpoint: optimizer states of rank {rank} are missing in {directory} "
-                                    f"(the checkpoint was written by {saved_world_size} ranks); pass "
-                                    "load_optimizer_states=False to load the weights only")
-    return files
+def _own(files: _SavedFiles, engine, saved_world_size: int) -> Dict:
+    """This rank's file at the same world size; after a re-shard, a file this rank reads for its shard
+    anyway (the plain data in it, param groups and counters, is the same in every rank's file)."""
+    if saved_world_size == engine.world_size:
+        return files[engine.global_rank]
+    numel = engine.optimizer.flats[0].numel
+    start = min(engine.global_rank * _our_shard_numel(engine, numel), numel - 1)
+    return files[min(start // deepspeed_geometry(numel, saved_world_size).shard_numel, saved_world_size - 1)]
 
 
-def _check_compatible(engine, model_states: Dict, files: List[Dict], saved_world_size: int) -> None:
+def _check_compatible(engine, model_states: Dict, files: _SavedFiles, saved_world_size: int, same_type: bool) -> None:
     flats = engine.optimizer.flats
-    partitions = files[0]["single_partition_of_fp32_groups"]
-    if len(partitions) != len(flats):
-        raise ValueError(f"load_checkpoint: the checkpoint has {len(partitions)} parameter groups, the engine "
+    shapes = model_states.get("param_shapes") or []
+    if len(shapes) != len(flats):
+        raise ValueError(f"load_checkpoint: the checkpoint has {len(shapes)} parameter groups, the engine "
                          f"{len(flats)}; build the optimizer param groups as when it was saved")
-    for index, flat in enumerate(flats):
-        saved = sum(file["single_partition_of_fp32_groups"][index].numel() for file in files)
+    for index, (flat, group_shapes) in enumerate(zip(flats, shapes)):
+        saved = sum(int(torch.Size(shape).numel()) for shape in group_shapes.values())
         if saved != flat.numel:
             raise ValueError(f"load_checkpoint: parameter group {index} has {flat.numel} trainable parameters, the "
                              f"checkpoint {saved}; load a checkpoint of the same model")
-    in_flight = files[0].get(OUR_KEY)
-    if in_flight is None:
-        if engine.config.optimizer_type == CO2:
-            raise ValueError("load_checkpoint: this checkpoint has no CO2 outer state (it was written by DeepSpeed "
-                             "or another type); pass load_optimizer_states=False to start CO2 from its weights")
-        return
-    saved_type = in_flight["optimizer_type"]
-    ours = engine.config.optimizer_type
-    if (saved_type == CO2) != (ours == CO2):
-        raise ValueError(f"load_checkpoint: a {saved_type} checkpoint cannot continue as {ours} (CO2 keeps a replica "
-                         f"and outer state per rank); pass load_optimizer_states=False to start from its weights")
-    if ours == CO2 and (saved_world_size != engine.world_size
-                        or in_flight["co2"]["group_size"] != engine.config.optimizer.group_size):
+    ours = model_states.get(OUR_KEY) or {}
+    kind = engine.engine_config.optimizer_type
+    saved_kind = ours.get("optimizer_type")
+    co2 = "co2"
+    if (str(saved_kind).lower() == co2) != (kind.lower() == co2):
+        raise ValueError(f"load_checkpoint: a {saved_kind or 'DeepSpeed'} checkpoint cannot continue as {kind} (CO2 "
+                         f"keeps a replica and outer state per rank); pass load_optimizer_states=False to start from "
+                         f"its weights")
+    if kind.lower() == co2 and (saved_world_size != engine.world_size
+                                or ours.get("group_size") != engine.engine_config.params.group_size):
         raise ValueError(f"load_checkpoint: CO2 checkpoints continue only with the same world size and group_size "
-                         f"(saved: {saved_world_size} ranks, group_size {in_flight['co2']['group_size']}); pass "
+                         f"(saved: {saved_world_size} ranks, group_size {ours.get('group_size')}); pass "
                          f"load_optimizer_states=False to start from the weights")
-    mid_round = any(file[OUR_KEY]["round_micro_batches"] for file in files)
-    if mid_round and (saved_world_size != engine.world_size or saved_type != ours):
+    if ours.get("mid_round") and (saved_world_size != engine.world_size or not same_type):
         raise ValueError("load_checkpoint: the checkpoint was saved in the middle of a round (partial gradient sums "
                          "are per rank); load it with the same world size and optimizer type, or save at a round "
                          "boundary (after the step() for which is_gradient_accumulation_boundary() was true)")
 
 
-def _full(pieces: List[torch.Tensor], numel: int) -> torch.Tensor:
-    """Concatenate every rank's shard of one vector (in rank order) and keep its first ``numel``."""
-    return torch.cat([piece.reshape(-1).float() for piece in pieces])[:numel]
+def _read_resharded(engine, files: _SavedFiles, saved_world_size: int, getter, numels: List[int],
+                    our_numels: List[int]) -> List[torch.Tensor]:
+    """This rank's shards in our layout of one saved vector per group.
 
-
-def _shard_from_full(flat: FlatParamGroup, full: torch.Tensor, shard_numel: int, rank: int) -> torch.Tensor:
-    padded = torch.zeros(flat.padded_numel, dtype=torch.float32)
-    padded[:full.numel()] = full
-    return padded[rank * shard_numel:(rank + 1) * shard_numel]
-
-
-def _padded_pieces(pieces: List[torch.Tensor], numel: int, world_size: int) -> List[torch.Tensor]:
-    """Pad each rank's piece to the saved shard size (DeepSpeed strips the padding of the last shards)."""
-    shard_numel = padded_numel(numel, world_size) // world_size
-    return [torch.cat([piece.float(), torch.zeros(shard_numel - piece.numel())]) for piece in pieces]
-
-
-def _load_optimizer(engine, files: List[Dict], saved_world_size: int) -> None:
-    optimizer, schedule = engine.optimizer, engine.schedule
-    rank, world_size = engine.global_rank, engine.world_size
-    co2 = engine.config.optimizer_type == CO2
-    in_flight = files[0].get(OUR_KEY)
-    own = files[rank] if saved_world_size == world_size else None
-
-    committed_full = []
-    for index, flat in enumerate(optimizer.flats):
-        committed_full.append(_full(_padded_pieces([f["single_partition_of_fp32_groups"][index] for f in files],
-                                                          flat.numel, saved_world_size), flat.numel))
-    step = files[0]["base_optimizer_state"]["state"][0]["step"]
-    optimizer.applied_steps = int(step.item() if torch.is_tensor(step) else step)
-    for index, (flat, shard) in enumerate(zip(optimizer.flats, optimizer.shards)):
-        saved_group = files[0]["base_optimizer_state"]["param_groups"][index]
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in saved_group:
-                flat.param_group[key] = tuple(saved_group[key]) if key == "betas" else saved_group[key]
-        if co2:
-            # Replica state of this rank's group, saved by this very rank (same world size enforced).
-            co2_state = own[OUR_KEY]["co2"]
-            shard.master.copy_(co2_state["inner_master"][index])
-            shard.exp_avg.copy_(own["base_optimizer_state"]["state"][index]["exp_avg"])
-            shard.exp_avg_sq.copy_(own["base_optimizer_state"]["state"][index]["exp_avg_sq"])
-            continue
-        for name, target in (("exp_avg", shard.exp_avg), ("exp_avg_sq", shard.exp_avg_sq)):
-            full = _full([f["base_optimizer_state"]["state"][index][name] for f in files], flat.numel)
-            target.copy_(_shard_from_full(flat, full, flat.shard_numel, rank))
-        shard.master.copy_(_shard_from_full(flat, committed_full[index], flat.shard_numel, rank))
-    if isinstance(files[0].get("loss_scaler"), type(engine.loss_scaler)) and engine.config.precision == "fp16":
-        engine.loss_scaler = files[0]["loss_scaler"]
-
-    if in_flight is None or (in_flight["optimizer_type"] != engine.config.optimizer_type
-                             and not in_flight["round_micro_batches"]):
-        # A DeepSpeed checkpoint, or another of our types saved at a boundary: continue from the
-        # committed state with a fresh schedule (the model must hold the committed weights).
-        schedule.reset()
-        for flat, full in zip(optimizer.flats, committed_full):
-            flat.model_flat[:flat.numel].copy_(full)
-        return
-    _restore_in_flight(engine, files, own, committed_full, saved_world_size)
-
-
-def _restore_in_flight(engine, files: List[Dict], own: Optional[Dict], committed_full: List[torch.Tensor],
-                       saved_world_size: int) -> None:
-    optimizer, schedule = engine.optimizer, engine.schedule
+    ``getter(file, group)`` returns the saved rank's DeepSpeed partition (a valid prefix is enough).
+    Same world size: the own file, moved between layouts by the peers. Otherwise: memory-mapped
+    slices of the files that cover this rank's new shard.
+    """
+    if saved_world_size == engine.world_size:
+        own = files[engine.global_rank]
+        partitions = [_copy_into(getter(own, index), deepspeed_geometry(numel, saved_world_size).shard_numel, numel)
+                      for index, numel in enumerate(numels)]
+        return _to_layout(engine, partitions, numels, to_deepspeed=False)
+    outputs = []
     rank = engine.global_rank
-    state = files[0][OUR_KEY]
+    for index, (numel, shard_numel) in enumerate(zip(numels, our_numels)):
+        mine = (rank * shard_numel, (rank + 1) * shard_numel)
+        saved = deepspeed_geometry(numel, saved_world_size)
+        output = None
+        for saved_rank in range(saved_world_size):
+            start, stop = _overlap(mine, saved.shard_range(saved_rank), numel)
+            if stop <= start:
+                continue
+            piece = getter(files[saved_rank], index)
+            offset = saved.shard_range(saved_rank)[0]
+            if output is None:
+                output = torch.zeros(shard_numel, dtype=piece.dtype)
+            output[start - mine[0]:stop - mine[0]].copy_(piece[start - offset:stop - offset])
+        outputs.append(output if output is not None else torch.zeros(shard_numel))
+    return [t.to(engine.device) for t in outputs]
+
+
+def _load_vectors(engine, files, saved_world_size, getter) -> List[torch.Tensor]:
+    numels = [flat.numel for flat in engine.optimizer.flats]
+    return _read_resharded(engine, files, saved_world_size, getter, numels,
+                           [_our_shard_numel(engine, n) for n in numels])
+
+
+def _saved_step(file: Dict) -> int:
+    step = file["base_optimizer_state"]["state"][0]["step"]
+    return int(step.item() if torch.is_tensor(step) else step)
+
+
+def _load_masters_and_rule_state(engine, files, saved_world_size) -> None:
+    """DeepSpeed's fields: fp32 partitions and the rule's state (the committed state)."""
+    schedule = engine.schedule
+    masters = _load_vectors(engine, files, saved_world_size, lambda f, i: f["single_partition_of_fp32_groups"][i])
+    for shard, values in zip(engine.optimizer.shards, masters):
+        shard.master.copy_(values)
+    saved_state = _own(files, engine, saved_world_size)["base_optimizer_state"]["state"][0]
+    for key in schedule.rule.state_names:
+        if key not in saved_state:
+            raise ValueError(f"load_checkpoint: the checkpoint's optimizer state has no {key!r} (saved by another "
+                             f"optimizer); pass load_optimizer_states=False to load the weights only")
+        values = _load_vectors(engine, files, saved_world_size, lambda f, i, key=key: f["base_optimizer_state"]["state"][i][key])
+        for shard, value in zip(engine.optimizer.shards, values):
+            shard.state[key].copy_(value)
+
+
+def _load_committed_state(engine, files, saved_world_size, model_states) -> None:
+    """Another type's (or DeepSpeed's) checkpoint: continue from its committed update with a fresh schedule."""
+    schedule, optimizer = engine.schedule, engine.optimizer
+    own = _own(files, engine, saved_world_size)
+    _load_masters_and_rule_state(engine, files, saved_world_size)
     schedule.reset()
-    schedule.phase = Phase(state["phase"])
-    if state["round_micro_batches"]:
-        schedule.round_micro_batches = own[OUR_KEY]["round_micro_batches"]
-        for flat, values in zip(optimizer.flats, own[OUR_KEY]["grad_accum"]):
-            flat.grad_accum[:flat.numel].copy_(values)
-    pending = state["pending"]
-    if engine.config.optimizer_type == CO2:
-        _restore_co2(engine, files, own, committed_full, pending)
-        return
-    if pending is not None:
-        kind = JobKind(pending["kind"])
-        result = JobResult(**dict(pending["result"], kind=kind))
-        for index, flat in enumerate(optimizer.flats):
-            if kind is JobKind.ESTIMATE:
-                full = _full([f[OUR_KEY]["estimate_shards"][index] for f in files], flat.numel)
-            else:  # a commit's output is the master weights it left behind
-                full = committed_full[index]
-            flat.gather.zero_()
-            flat.gather[:flat.numel].copy_(full)
-        schedule.running = CompletedWork(f"{kind.value} restored from checkpoint", result)
-        schedule.running_kind = kind
-    if schedule.phase is Phase.SECOND_HALF:
-        for index, (flat, shard) in enumerate(zip(optimizer.flats, optimizer.shards)):
-            full = _full([f[OUR_KEY]["first_half_sum"][index] for f in files], flat.numel)
-            shard.ensure_first_half_buffer().copy_(_shard_from_full(flat, full, flat.shard_numel, rank))
+    for flat, full in zip(optimizer.flats, make_gather_full(engine)([s.master for s in optimizer.shards])):
+        flat.install(full)
+    for flat, group in zip(optimizer.flats, own["base_optimizer_state"]["param_groups"]):
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key in group:
+                flat.param_group[key] = tuple(group[key]) if key == "betas" else group[key]
+    progress = schedule.progress
+    progress.applied_steps = _saved_step(own)
+    progress.global_steps = int(model_states.get("global_steps", 0))
+    progress.global_samples = int(model_states.get("global_samples", 0))
+    progress.skipped_steps = int(model_states.get("skipped_steps", 0))
+    progress.micro_steps = progress.global_steps * engine.gradient_accumulation_steps()
+    progress.scheduler_steps = progress.applied_steps
+    if engine.engine_config.precision == "fp16" and own.get("loss_scaler") is not None:
+        schedule.loss_scale.load_deepspeed(own["loss_scaler"])
 
 
-def _restore_co2(engine, files: List[Dict], own: Dict, committed_full: List[torch.Tensor], pending) -> None:
-    from .co2 import OuterResult
-    optimizer, schedule = engine.optimizer, engine.schedule
-    co2_state = own[OUR_KEY]["co2"]
-    schedule.inner_steps_in_round = co2_state["inner_steps_in_round"]
-    schedule.outer_rounds = co2_state["outer_rounds"]
-    schedule.outer_skips = co2_state["outer_skips"]
-    if co2_state["replica"] is not None:
-        for flat, replica in zip(optimizer.flats, co2_state["replica"]):
-            flat.model_flat[:flat.numel].copy_(replica)
-    for index, (flat, outer) in enumerate(zip(optimizer.flats, schedule.outers)):
-        outer.anchor.copy_(outer.shard_of(_padded_to(flat, committed_full[index])))
-        outer.prev_anchor.copy_(co2_state["prev_anchor"][index])
-        outer.momentum.copy_(co2_state["momentum"][index])
-        # gather = x_{k+2} (or x_{k+1} before the first job) and round_start = x_{k+1}, both
-        # exactly the model-dtype casts of the anchors the job left behind.
-        outer.gather.copy_(_padded_to(flat, committed_full[index]))
-        if outer.round_start is not None:
-            previous = _full([f[OUR_KEY]["co2"]["prev_anchor"][index] for f in files], flat.numel)
-            outer.round_start.copy_(_padded_to(flat, previous))
-    if pending is not None:
-        result = OuterResult(**pending["result"])
-        schedule.running = CompletedWork("CO2 outer averaging restored from checkpoint", result)
-        schedule.running_kind = None
+def _load_same_type(engine, files, saved_world_size) -> None:
+    """Our own type: the live counters and the in-flight state, exactly where the save left them."""
+    schedule, optimizer = engine.schedule, engine.optimizer
+    own = _own(files, engine, saved_world_size)
+    ours = own[OUR_KEY]
+    if schedule.rule_state_is_sharded():
+        _load_masters_and_rule_state(engine, files, saved_world_size)
+    sharded = {}
+    for key in ours["sharded"]:
+        sharded[key] = _load_vectors(engine, files, saved_world_size, lambda f, i, key=key: f[OUR_KEY]["sharded"][key][i])
+    fp32 = [shard.master for shard in optimizer.shards]
+    if not schedule.rule_state_is_sharded():  # CO2: the DeepSpeed partitions are the anchors
+        fp32 = _load_vectors(engine, files, saved_world_size, lambda f, i: f["single_partition_of_fp32_groups"][i])
+    local = _to_device(ours["local"], engine.device) if saved_world_size == engine.world_size else {}
+    if saved_world_size != engine.world_size and "compression" in ours["local"] and engine.global_rank == 0:
+        # A residual is what one rank has not yet sent to each other rank's shard; with other shards
+        # and peers it has no owner. Dropping it loses at most half a quantisation step per value once.
+        logger.warning("load_checkpoint: re-sharding from %d to %d ranks drops the error-feedback residuals of "
+                       "compressed gradients (per rank and per shard layout); they restart from zero",
+                       saved_world_size, engine.world_size)
+    state = CheckpointState(fp32_partitions=fp32, rule_state=None, sharded=sharded, local=local, meta=ours["meta"])
+    # The model already holds the module file's committed weights; the schedule installs what it
+    # held instead where that differs ("held", CO2's replica).
+    schedule.load_checkpoint_state(state, make_gather_full(engine))
+    schedule.progress.load_state_dict(ours["progress"])
+    for group, lr in zip(optimizer.param_groups, ours["param_group_lrs"]):
+        group["lr"] = lr
+    for key, value in ours["loss_scale"].items():
+        setattr(schedule.loss_scale, key, value)
 
 
-def _padded_to(flat: FlatParamGroup, full: torch.Tensor) -> torch.Tensor:
-    padded = torch.zeros(flat.padded_numel, dtype=torch.float32)
-    padded[:full.numel()] = full
-    return padded
+def _to_device(value, device):
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    return value
+
+
+def checkpoint_files(directory: str) -> List[str]:
+    """The optimizer files of a checkpoint directory (for tools)."""
+    return sorted(glob.glob(os.path.join(directory, "*zero_pp_rank_*_optim_states.pt")))

@@ -1,84 +1,268 @@
-"""The communication side of the pipeline: a worker that runs jobs in order, and the narrow
-communicator object that the update jobs talk to (DESIGN 2 "communication job", DESIGN 6).
+"""The communication side of the pipeline (docs/design.md, sections 3 and 6): the lane that issues
+every job's collectives in one order, the narrow communicator object the jobs talk to, the
+control plane, and the timeouts that turn a dead peer into an error naming the collective.
 
-A *job* is a plain Python callable made of collectives and shard math. ``Pipeline.submit``
-returns a :class:`Work` handle immediately; the job runs on a daemon worker thread (CPU/gloo) or
-is enqueued by that thread on a side CUDA stream (GPU/nccl). The training thread only ever calls
-``Work.wait()`` at a round boundary, which re-raises a failed job's exception with its traceback
-and makes the compute stream wait for the job's completion event (no host sync on GPU).
+**One ordered lane.** Every collective the engine runs belongs to a *job* (a plain callable made of
+collectives and shard math) that the training thread submits with :meth:`Lane.submit`, in the
+schedule's program order, which is the same on every rank. ``submit`` returns a :class:`Work`
+handle at once; ``Work.wait()`` at a round boundary returns the job's result or re-raises its
+error with its traceback.
 
-Collectives run on a process group of their own, so collectives issued by the training loop
-(logging, evaluation) can never interleave with the worker's. Each collective is labelled for
-the profiler (``acco::reduce_scatter`` ...) and tracked so that a hang is reported by name.
+* CPU (gloo): each communicator has a FIFO worker thread. Jobs of one communicator run in
+  submission order; jobs of different communicators (CO2's group steps and its outer averaging)
+  run concurrently, which is safe because gloo groups are independent transports.
+* CUDA (NCCL): a job runs *inline*, on the training thread, when it is submitted: its kernels and
+  NCCL calls are enqueued on the communicator's side stream after that stream waits for the
+  training stream, and nothing in a job waits for the device, so ``submit`` returns as soon as the
+  work is enqueued and the device overlaps it with the compute that follows. Every NCCL call of
+  the engine is therefore issued from the training thread, in program order, identically on every
+  rank. NCCL >= 2.26 with ``NCCL_LAUNCH_ORDER_IMPLICIT=1`` (set by :func:`prepare_nccl_environment`
+  unless the user chose a value) executes the operations of several communicators on a GPU in
+  that host order, which is what NCCL requires of communicators sharing a device. Without it
+  (older NCCL, or the variable set to 0) all of the engine's jobs share one side stream, so its
+  own collectives are totally ordered on the device; CO2's outer job then no longer overlaps its
+  group steps.
+
+**No host synchronisation inside a job.** Jobs keep their statistics on the device and hand back
+a :class:`DeviceReadback`: a small tensor that the lane copies to pinned host memory on the job's
+stream, without waiting, right after the job. ``Work.wait()`` waits (polling) for the job's
+completion event only, then reads the copy; that wait is the one host synchronisation the
+pipeline makes, at a round boundary. ``Work.is_done()`` queries the event.
+
+**Timeouts.** A collective that has not completed ``communication_timeout_s`` after it was issued
+makes the waiting training thread raise :class:`CommunicationError` naming the job, the
+collective and the process group. Our process groups are created with the longer
+:func:`process_group_timeout_s`, so this check fires before gloo's own timeout or NCCL's watchdog
+(which tears the process down); see :func:`new_communicator` for the NCCL settings.
+
+Each collective is labelled for the profiler (``acco::reduce_scatter`` ...).
 """
+import contextlib
 import datetime
+import logging
+import os
 import queue
 import threading
 import time
 import traceback
-from contextlib import nullcontext
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("DeepSpeed").getChild("acco")
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Extra time the training thread grants the worker beyond the collective timeout before it
-# declares the job hung: the process group's own timeout should fire first.
-_HANG_GRACE_S = 30.0
+# How often a waiting training thread looks at a CPU worker (and checks for a hang).
 _POLL_INTERVAL_S = 0.5
+# Polling a CUDA event: start fine (a job that is nearly done costs microseconds), back off to
+# this, so a boundary that really waits overshoots by at most this much.
+_EVENT_POLL_MAX_S = 2e-4
+_EVENT_POLL_MIN_S = 1e-5
+
+# The process groups' own timeout exceeds communication_timeout_s by this much (at least
+# WATCHDOG_GRACE_MIN_S), so our hang check, which polls every _POLL_INTERVAL_S, always fires
+# first and names the collective.
+WATCHDOG_GRACE_MIN_S = 30.0
+WATCHDOG_GRACE_FRACTION = 0.25
+
+# NCCL (>= 2.26) orders the operations of several communicators of one GPU by the order the host
+# issued them in, instead of requiring the application to serialise them.
+NCCL_LAUNCH_ORDER_ENV = "NCCL_LAUNCH_ORDER_IMPLICIT"
+NCCL_LAUNCH_ORDER_MIN_VERSION = (2, 26)
+
+# Settings of the torch NCCL process groups the engine creates (read by ProcessGroupNCCL when a
+# group is constructed). Async error handling 3 ("skip clean-up"): when a collective exceeds the
+# group's timeout the watchdog tears the process down, so a hang never outlives
+# process_group_timeout_s even when the training thread is blocked outside our waits. Blocking
+# wait off: a collective must never block the host, which would make every job a host sync.
+NCCL_GROUP_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_BLOCKING_WAIT": "0"}
 
 
 class CommunicationError(RuntimeError):
     """A communication job failed; the message names the job, the collective and the rank."""
 
 
-class Work:
-    """Handle to one submitted job (the ``torch.distributed`` Work idiom)."""
+# ---- timeouts --------------------------------------------------------------------------------
+def process_group_timeout_s(communication_timeout_s: float) -> float:
+    """The timeout our process groups get: later than the hang check, which fires at ``communication_timeout_s``.
 
-    def __init__(self, label: str, pipeline: "Pipeline"):
+    gloo then raises and NCCL's watchdog tears the process down only if the training thread could
+    not run the check (blocked outside a boundary wait, e.g. in a user's ``.item()``).
+    """
+    grace = max(WATCHDOG_GRACE_MIN_S, WATCHDOG_GRACE_FRACTION * communication_timeout_s)
+    return communication_timeout_s + grace
+
+
+class _CollectiveRecord:
+    """One issued collective: when, and (CUDA) the event recorded on the job's stream after it."""
+
+    __slots__ = ("name", "group", "issued_at", "event", "completed")
+
+    def __init__(self, name: str, group: str):
+        self.name = name
+        self.group = group
+        self.issued_at = time.perf_counter()
+        self.event: Optional[torch.cuda.Event] = None
+        self.completed = False
+
+    def finished(self) -> bool:
+        if not self.completed and self.event is not None and self.event.query():
+            self.completed = True
+        return self.completed
+
+
+# The records of the job running on this thread (the CPU worker, or the training thread while it
+# enqueues a CUDA job); communicators append to it.
+_running_job = threading.local()
+
+
+# ---- what jobs hand back ---------------------------------------------------------------------
+class PhaseClock:
+    """Durations of a job's phases: host time on a CPU worker, CUDA event pairs on the job's stream.
+
+    The events are read in :meth:`seconds`, after the job's completion was seen, so reading them
+    is no synchronisation.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._phases: List[tuple] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._phases.append((name, start, end))
+        else:
+            started = time.perf_counter()
+            yield
+            self._phases.append((name, time.perf_counter() - started))
+
+    def record(self, name: str, seconds: float) -> None:
+        """A duration measured otherwise (the CPU worker's thread time)."""
+        self._phases.append((name, seconds))
+
+    def seconds(self) -> Dict[str, float]:
+        totals: Dict[str, float] = {}
+        for name, *measured in self._phases:
+            value = measured[0].elapsed_time(measured[1]) / 1e3 if len(measured) == 2 else measured[0]
+            totals[name] = totals.get(name, 0.0) + value
+        return totals
+
+
+class DeviceReadback:
+    """A job's result as it leaves the job: values computed on the device, and how to build the result.
+
+    ``values`` is a small tensor on the job's device; ``build(values_as_list, phase_seconds)``
+    makes the result object. The lane calls :meth:`start` on the job's stream right after the job
+    (a non-blocking copy into pinned memory on CUDA); ``Work.wait`` calls :meth:`finish` once the
+    job's completion has been seen, so the read costs no synchronisation. On the CPU the values
+    are read directly.
+    """
+
+    def __init__(self, values: torch.Tensor, build: Callable[[List[float], Dict[str, float]], Any],
+                 clock: Optional[PhaseClock] = None):
+        self.values = values
+        self.build = build
+        self.clock = clock
+        self._host: Optional[torch.Tensor] = None
+
+    def start(self) -> None:
+        if self.values.is_cuda:
+            self._host = torch.empty(self.values.shape, dtype=self.values.dtype, pin_memory=True)
+            self._host.copy_(self.values, non_blocking=True)
+        else:
+            self._host = self.values
+
+    def finish(self) -> Any:
+        if self._host is None:  # a job called directly, not through a lane: copy, and wait for the copy here
+            self.start()
+            if self.values.is_cuda:
+                torch.cuda.current_stream(self.values.device).synchronize()
+        return self.build(self._host.tolist(), self.clock.seconds() if self.clock is not None else {})
+
+
+# ---- work handles ----------------------------------------------------------------------------
+class Work:
+    """Handle to one submitted job (the ``torch.distributed`` Work idiom).
+
+    The handle owns the job, and with it every tensor the job was given, until a wait has seen the
+    job complete: a tensor allocated on the training stream and read by the job on a side stream
+    is therefore never freed (and its memory reused) while the side stream may still read it.
+    """
+
+    def __init__(self, label: str, lane: "Lane", communicator: "Communicator", job: Callable[[], Any]):
         self.label = label
-        self._pipeline = pipeline
+        self.communicator = communicator
+        self.collectives: List[_CollectiveRecord] = []
+        """The collectives the job has issued so far, oldest first (for the hang check)."""
+        self._lane = lane
+        self._job: Optional[Callable[[], Any]] = job
         self._finished = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self._error_traceback = ""
-        self._cuda_done: Optional[torch.cuda.Event] = None
-        self.submitted_at = time.perf_counter()
-        self.finished_at: Optional[float] = None
+        self._done_event: Optional[torch.cuda.Event] = None
+        self._resolved = False
+        self._value: Any = None
 
-    def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+    def _finish(self, result: Any = None, error: Optional[BaseException] = None,
+                done_event: Optional[torch.cuda.Event] = None) -> None:
         self._result = result
         self._error = error
+        self._done_event = done_event
         if error is not None:
             self._error_traceback = "".join(traceback.format_exception(error))
-        self.finished_at = time.perf_counter()
         self._finished.set()
 
+    def oldest_unfinished_collective(self) -> Optional[_CollectiveRecord]:
+        for record in list(self.collectives):
+            if not record.finished():
+                return record
+        return None
+
     def is_done(self) -> bool:
-        """True once the job has finished (on GPU: once its kernels have completed too)."""
+        """True once the job has finished (on GPU: once its kernels have completed too). Never blocks."""
         if not self._finished.is_set():
             return False
-        return self._cuda_done is None or self._cuda_done.query()
+        return self._done_event is None or self._done_event.query()
 
     def wait(self) -> Any:
-        """Block until the job has finished on the host; return its result or raise its error.
+        """Wait for the job; return its result or raise its error (as :class:`CommunicationError`).
 
-        On GPU the current stream is made to wait for the job's completion event, so tensors the
-        job wrote can be used by subsequent kernels without a host synchronisation.
+        CPU: waits for the worker. CUDA: polls the job's completion event (the job itself was
+        enqueued at submission), then makes the current stream wait for it too. Raises if one of
+        the lane's collectives is overdue (:meth:`Lane.check_hang`). Later calls return the same.
         """
+        if self._resolved:
+            return self._value
         while not self._finished.wait(_POLL_INTERVAL_S):
-            self._pipeline.check_hang(self)
+            self._lane.check_hang(self)
         if self._error is not None:
-            raise CommunicationError(f"communication job {self.label!r} failed on rank {self._pipeline.rank}: "
+            raise CommunicationError(f"communication job {self.label!r} failed on rank {self._lane.rank}: "
                                      f"{self._error}\n--- worker traceback ---\n{self._error_traceback}") \
                 from self._error
-        if self._cuda_done is not None:
-            torch.cuda.current_stream().wait_event(self._cuda_done)
-        return self._result
+        if self._done_event is not None:
+            delay = _EVENT_POLL_MIN_S
+            while not self._done_event.query():
+                self._lane.check_hang(self)
+                time.sleep(delay)
+                delay = min(2 * delay, _EVENT_POLL_MAX_S)
+            torch.cuda.current_stream(self._lane.device).wait_event(self._done_event)
+        result = self._result
+        self._value = result.finish() if isinstance(result, DeviceReadback) else result
+        self._resolved = True
+        self._job = None
+        self._result = None
+        return self._value
 
 
 class CompletedWork:
@@ -95,11 +279,14 @@ class CompletedWork:
         return self._result
 
 
+# ---- communicators ---------------------------------------------------------------------------
 class Communicator:
-    """Collectives on one dedicated process group, labelled and tracked for hang reports.
+    """Collectives on one dedicated process group, labelled and recorded for hang reports.
 
     This is the only object the update jobs use to communicate, so the schedule can be tested
-    with a fake that records what was sent when.
+    with a fake that records what was sent when. A group of one rank on gloo (and the group-less
+    communicator of CO2 without groups) copies locally; an NCCL group of one runs the real
+    collectives, so that the GPU pipeline (NCCL streams, events) is the same at every world size.
     """
 
     def __init__(self, group, rank: int, world_size: int, name: str, global_ranks: Optional[List[int]] = None,
@@ -108,32 +295,38 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.name = name
+        self.backend = backend
         self.global_ranks = global_ranks if global_ranks is not None else list(range(world_size))
         """The global rank of each member, for point-to-point messages."""
+        self.local = group is None or (world_size == 1 and backend != "nccl")
+        """Collectives are local copies (no process group call)."""
         # gloo's reduce_scatter runs a whole all-reduce (measured on a 1 Gbit/s link: 213 ms for
         # 3.3M fp32 values against 105 ms for the all-gather of the same size), so on gloo we
         # reduce-scatter with a ring of sends, which moves the minimal (W - 1) / W of the data.
         self.ring_reduce_scatter = backend == "gloo"
-        self.current_collective: Optional[str] = None
-        self.current_started_at: Optional[float] = None
         self._ring_buffers: dict = {}
 
     def _run(self, collective: str, fn: Callable[[], Any]) -> None:
-        self.current_collective = collective
-        self.current_started_at = time.perf_counter()
+        record = _CollectiveRecord(collective, self.name)
+        records = getattr(_running_job, "records", None)
+        if records is not None:
+            records.append(record)
         try:
             with torch.profiler.record_function(f"acco::{collective}"):
                 fn()
         except Exception as error:
             raise CommunicationError(f"collective {collective} on process group {self.name!r} failed on rank "
                                      f"{self.rank} (world size {self.world_size}): {error}") from error
-        finally:
-            self.current_collective = None
-            self.current_started_at = None
+        if self.backend == "nccl":
+            # Enqueued, not done: the collective completes when the job's stream passes this event.
+            record.event = torch.cuda.Event()
+            record.event.record()
+        else:
+            record.completed = True
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Sum ``input`` over ranks and keep this rank's equal-size chunk in ``output``."""
-        if self.world_size == 1:
+        if self.local:
             output.copy_(input)
             return
         if self.ring_reduce_scatter:
@@ -164,108 +357,279 @@ class Communicator:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may alias this rank's chunk)."""
-        if self.world_size == 1:
+        if self.local:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return
         self._run("all_gather", lambda: _all_gather_flat(output, input, group=self.group))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
+                   input_split_sizes: List[int], collective: str = "all_to_all") -> None:
+        """Send ``input``'s i-th slice (``input_split_sizes[i]`` elements) to rank i and receive rank
+        i's slice for this rank into ``output``'s i-th slice; ``collective`` names it in profiles and
+        hang reports (the quantised reduce-scatter passes its own name)."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return
+        self._run(collective, lambda: dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                                             input_split_sizes=input_split_sizes, group=self.group))
+
+    def exchange(self, sends: List[tuple], receives: List[tuple]) -> None:
+        """Point-to-point: post every ``(peer rank, tensor)`` send and receive, then wait for all.
+
+        Peers are ranks of this communicator; a collective in the sense that the peers must post the
+        matching calls (checkpoints use it to move shards between layouts).
+        """
+        if not sends and not receives:
+            return
+
+        def run():
+            handles = [dist.isend(t, dst=self.global_ranks[peer], group=self.group) for peer, t in sends]
+            handles += [dist.irecv(t, src=self.global_ranks[peer], group=self.group) for peer, t in receives]
+            for handle in handles:
+                handle.wait()
+        self._run("exchange", run)
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks in place (used for the small per-job statistics)."""
-        if self.world_size == 1:
+        if self.local:
             return
         self._run("all_reduce", lambda: dist.all_reduce(tensor, group=self.group))
 
 
+@contextlib.contextmanager
+def _environment(values: Dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block (torch reads them at group creation)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def new_communicator(ranks: List[int], timeout_s: float, name: str, backend: Optional[str] = None) -> Communicator:
-    """Create a dedicated process group over ``ranks`` (collective: every rank must call it, in order)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    """Create a dedicated process group over ``ranks`` (collective: every rank must call it, in order).
+
+    ``timeout_s`` is ``communication_timeout_s``; the group gets :func:`process_group_timeout_s`
+    of it, and an NCCL group the settings of :data:`NCCL_GROUP_ENVIRONMENT` (the user's own
+    groups keep theirs).
+    """
+    timeout = datetime.timedelta(seconds=process_group_timeout_s(timeout_s))
     backend = backend or dist.get_backend()
     world_rank = dist.get_rank()
-    if len(ranks) == dist.get_world_size():
-        group = dist.new_group(backend=backend, timeout=timeout)
-    else:
-        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+    settings = NCCL_GROUP_ENVIRONMENT if backend == "nccl" else {}
+    with _environment(settings):
+        if len(ranks) == dist.get_world_size():
+            group = dist.new_group(backend=backend, timeout=timeout)
+        else:
+            group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
     rank = ranks.index(world_rank) if world_rank in ranks else -1
     return Communicator(group, rank, len(ranks), name, global_ranks=list(ranks), backend=backend)
 
 
-class Pipeline:
-    """Runs communication jobs in submission order off the training thread.
+def nccl_version() -> Optional[tuple]:
+    """The NCCL version torch was built with, or None without CUDA/NCCL."""
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # a CPU-only build of torch has no NCCL
+        return None
+    if isinstance(version, int):  # NCCL_VERSION_CODE: X*10000 + Y*100 + Z since 2.9, X*1000 + Y*100 + Z before
+        major, rest = divmod(version, 10000 if version >= 20900 else 1000)
+        return (major, *divmod(rest, 100))
+    return tuple(version) if isinstance(version, (tuple, list)) else None
 
-    CPU: a daemon thread executes each job. CUDA: the same thread enqueues the job's kernels and
-    collectives on a side stream after waiting (on the device) for an event recorded on the
-    training stream at submission; completion is signalled by another event. The thread is a
-    daemon so that a job stuck in a dead peer's collective never blocks interpreter exit.
+
+def prepare_nccl_environment() -> None:
+    """Ask NCCL to order several communicators' operations by host issue order (before its first launch).
+
+    Respects a value the user set. NCCL reads the variable once, at the process's first NCCL
+    kernel launch; the engine calls this before its first collective, which is in time unless the
+    script ran NCCL collectives before ``initialize`` (then set it in the launch environment).
+    """
+    if NCCL_LAUNCH_ORDER_ENV not in os.environ:
+        os.environ[NCCL_LAUNCH_ORDER_ENV] = "1"
+
+
+def nccl_orders_by_host() -> bool:
+    """Whether NCCL executes operations of different communicators in host issue order."""
+    version = nccl_version()
+    return (version is not None and version >= NCCL_LAUNCH_ORDER_MIN_VERSION
+            and os.environ.get(NCCL_LAUNCH_ORDER_ENV) == "1")
+
+
+# ---- control plane ---------------------------------------------------------------------------
+class ControlPlane:
+    """Small host-side agreements between ranks on the training thread (a gloo group of all ranks).
+
+    Used where ranks must agree before touching the lane (checkpoints, evaluation points with
+    dynamic accumulation). It never carries tensors of the model and never runs on the lane, so
+    it cannot be ordered against the jobs' collectives, on any backend.
     """
 
-    def __init__(self, rank: int, device: torch.device, communicators: List[Communicator], timeout_s: float):
-        self.rank = rank
-        self.device = device
-        self.communicators = communicators
-        self.timeout_s = timeout_s
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._loop, name=f"acco-comm-rank{rank}", daemon=True)
-        self._thread.start()
-        self._closed = False
+    def __init__(self, group, world_size: int):
+        self.group = group
+        self.world_size = world_size
 
-    def submit(self, job: Callable[[], Any], label: str) -> Work:
-        """Queue ``job`` behind the jobs already submitted; return its handle at once."""
-        if self._closed:
-            raise CommunicationError("the communication pipeline is closed")
-        work = Work(label, self)
-        ready = None
-        if self._stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        self._queue.put((job, work, ready))
-        return work
+    def max(self, value: int) -> int:
+        """The largest ``value`` over all ranks (collective)."""
+        if self.world_size == 1:
+            return int(value)
+        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return int(tensor.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def new_control_plane(timeout_s: float) -> ControlPlane:
+    """A gloo group over all ranks for :class:`ControlPlane` (collective: every rank calls it).
+
+    Its operations block the training thread, so gloo's own timeout is the hang check here:
+    ``timeout_s`` exactly.
+    """
+    world_size = dist.get_world_size()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if world_size > 1 else None
+    return ControlPlane(group, world_size)
+
+
+# ---- the lane --------------------------------------------------------------------------------
+class _Worker:
+    """One thread that runs the jobs of one communicator in submission order (CPU)."""
+
+    def __init__(self, name: str):
+        self.queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
 
     def _loop(self) -> None:
-        if self._stream is not None:
-            torch.cuda.set_device(self.device)
         while True:
-            item = self._queue.get()
+            item = self.queue.get()
             if item is None:
                 return
-            job, work, ready = item
-            stream_context = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+            job, work = item
+            _running_job.records = work.collectives
             try:
-                with stream_context, torch.no_grad():
-                    if ready is not None:
-                        self._stream.wait_event(ready)
+                with torch.no_grad():
                     result = job()
-                    if self._stream is not None:
-                        work._cuda_done = torch.cuda.Event()
-                        work._cuda_done.record(self._stream)
+                    if isinstance(result, DeviceReadback):
+                        result.start()
                 work._finish(result=result)
             except BaseException as error:  # surfaced to the training thread by Work.wait()
                 work._finish(error=error)
+            finally:
+                _running_job.records = None
 
-    def check_hang(self, work: Work) -> None:
-        """Raise if a collective of the running job has exceeded the timeout (called while waiting)."""
+
+class Lane:
+    """Issues every collective the engine runs, in the training thread's program order (module docstring).
+
+    On the CPU, each communicator's jobs run in order on its own worker thread (daemons, so that a
+    job stuck in a dead peer's collective never blocks interpreter exit). On CUDA, jobs are
+    enqueued inline on a side stream per communicator, or on one shared side stream when NCCL
+    cannot order several communicators by host order (``shared_stream``).
+    """
+
+    def __init__(self, rank: int, device: torch.device, timeout_s: float, *, shared_stream: Optional[bool] = None):
+        self.rank = rank
+        self.device = device
+        self.timeout_s = timeout_s
+        self.inline = device.type == "cuda"
+        if shared_stream is None:
+            shared_stream = self.inline and not nccl_orders_by_host()
+        self.shared_stream = shared_stream
+        self._workers: Dict[int, _Worker] = {}
+        self._streams: Dict[Any, torch.cuda.Stream] = {}
+        self._in_flight: List[Work] = []
+        self._closed = False
+        if self.inline and shared_stream:
+            logger.warning("deepspeed_acco: NCCL %s cannot order several communicators by host issue order (needs "
+                           ">= %s with %s=1); the engine's jobs share one side stream, so CO2's outer averaging does "
+                           "not overlap its group steps, and collectives of your own must not run while a job is in "
+                           "flight", nccl_version(), ".".join(map(str, NCCL_LAUNCH_ORDER_MIN_VERSION)),
+                           NCCL_LAUNCH_ORDER_ENV)
+
+    def submit(self, job: Callable[[], Any], communicator: Communicator, label: str) -> Work:
+        """Start ``job`` behind the jobs already submitted for ``communicator``; return its handle at once."""
+        if self._closed:
+            raise CommunicationError("the communication lane is closed")
+        work = Work(label, self, communicator, job)
+        self._in_flight = [w for w in self._in_flight if not w.is_done()]
+        self._in_flight.append(work)
+        if self.inline:
+            self._run_inline(job, work, self._stream_for(communicator))
+        else:
+            self._worker_for(communicator).queue.put((job, work))
+        return work
+
+    def _worker_for(self, communicator: Communicator) -> _Worker:
+        worker = self._workers.get(id(communicator))
+        if worker is None:
+            worker = _Worker(name=f"acco-{communicator.name}-rank{self.rank}")
+            self._workers[id(communicator)] = worker
+        return worker
+
+    def _stream_for(self, communicator: Communicator) -> torch.cuda.Stream:
+        key = "shared" if self.shared_stream else id(communicator)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = torch.cuda.Stream(device=self.device)
+            self._streams[key] = stream
+        return stream
+
+    def _run_inline(self, job: Callable[[], Any], work: Work, stream: torch.cuda.Stream) -> None:
+        """Enqueue ``job`` on ``stream`` after everything the training stream has been given so far."""
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        _running_job.records = work.collectives
+        try:
+            with torch.cuda.stream(stream), torch.no_grad():
+                result = job()
+                if isinstance(result, DeviceReadback):
+                    result.start()
+                done = torch.cuda.Event()
+                done.record(stream)
+            work._finish(result=result, done_event=done)
+        except Exception as error:  # surfaced by Work.wait(), at the boundary, as on the CPU
+            work._finish(error=error)
+        finally:
+            _running_job.records = None
+
+    def check_hang(self, waited: Work) -> None:
+        """Raise if a collective of a job in flight is overdue (called by a waiting training thread)."""
         now = time.perf_counter()
-        for communicator in self.communicators:
-            started = communicator.current_started_at
-            if started is not None and now - started > self.timeout_s + _HANG_GRACE_S:
+        for work in list(self._in_flight):
+            record = work.oldest_unfinished_collective()
+            if record is not None and now - record.issued_at > self.timeout_s:
+                culprit = "" if work is waited else f" (of job {work.label!r})"
                 raise CommunicationError(
-                    f"communication job {work.label!r} on rank {self.rank}: collective "
-                    f"{communicator.current_collective} on process group {communicator.name!r} has not completed "
-                    f"after {now - started:.0f} s (timeout {self.timeout_s:.0f} s); a peer rank is probably dead")
+                    f"communication job {waited.label!r} on rank {self.rank}: collective {record.name} on process "
+                    f"group {record.group!r}{culprit} has not completed after {now - record.issued_at:.0f} s "
+                    f"(communication_timeout_s = {self.timeout_s:g}); a peer rank is probably dead or stuck")
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self, join_timeout_s: float = 0.0) -> bool:
-        """Stop the worker after the queued jobs; optionally wait for it (never for a hung collective).
+        """Stop the workers after their queued jobs; optionally wait for them (never for a hung collective).
 
-        Returns True if the worker has exited.
+        Returns True if every worker has exited. On CUDA nothing runs on the host, so the jobs in
+        flight simply finish on the device (their handles keep their tensors alive).
         """
         if not self._closed:
             self._closed = True
-            self._queue.put(None)
-        if join_timeout_s > 0:
-            self._thread.join(join_timeout_s)
-        return not self._thread.is_alive()
+            for worker in self._workers.values():
+                worker.queue.put(None)
+        deadline = time.perf_counter() + join_timeout_s
+        for worker in self._workers.values():
+            remaining = deadline - time.perf_counter()
+            if remaining > 0:
+                worker.thread.join(remaining)
+        return not any(worker.thread.is_alive() for worker in self._workers.values())

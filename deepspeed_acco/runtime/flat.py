@@ -1,25 +1,62 @@
-"""Flat per-param-group buffers and their ZeRO-1 shard geometry (DESIGN 3, notation).
+"""Flat per-param-group buffers and their shard geometry (docs/design.md, "Notation").
 
 Each param group's trainable parameters are laid out back to back in one flat vector, padded at
-the end to a multiple of ``2 * world_size`` (DeepSpeed ZeRO-1's alignment, so shards line up with
-DeepSpeed checkpoints) and split into ``world_size`` equal shards; rank r owns shard r.
+the end and split into equal shards, one per rank; rank r owns shard r.
+
+Shards are padded so that every shard starts on a 64-byte boundary in every dtype the pipeline
+uses (fp32, bf16, fp16): ``SHARD_ALIGNMENT_ELEMENTS`` = 32 elements is 64 bytes in 2-byte dtypes
+and 128 in fp32, so the vectorised kernels run on every rank's shard. DeepSpeed's ZeRO-1 pads
+less (to a multiple of 2 x world size); checkpoints convert between the two layouts
+(:func:`deepspeed_geometry`, :mod:`deepspeed_acco.runtime.checkpoint`).
 
 The model's parameters become views into ``model_flat``, so installing gathered parameters is a
 single copy. Gradients are accumulated in fp32 into ``grad_accum`` after every backward, whatever
 the model dtype, and handed to a communication job at the round boundary.
 """
 import math
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List
 
 import torch
 
+# Elements per shard-size quantum: 64 bytes in bf16/fp16, 128 bytes in fp32.
+SHARD_ALIGNMENT_ELEMENTS = 32
 # DeepSpeed ZeRO-1 pads each group to a multiple of nccl_start_alignment_factor (2) * world size.
 DEEPSPEED_ALIGNMENT_FACTOR = 2
 
 
-def padded_numel(numel: int, world_size: int) -> int:
+@dataclass(frozen=True)
+class ShardGeometry:
+    """How a vector of ``numel`` real elements is padded and split over ``world_size`` equal shards."""
+
+    numel: int
+    world_size: int
+    shard_numel: int
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def shard_range(self, rank: int):
+        """[start, stop) of rank ``rank``'s shard in padded coordinates."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def valid_numel(self, rank: int) -> int:
+        """How many leading elements of rank ``rank``'s shard are real (not padding)."""
+        return max(0, min(self.shard_numel, self.numel - rank * self.shard_numel))
+
+
+def aligned_geometry(numel: int, world_size: int) -> ShardGeometry:
+    """Our layout: shards of a multiple of ``SHARD_ALIGNMENT_ELEMENTS`` (64-byte aligned starts)."""
+    shard = int(math.ceil(numel / (SHARD_ALIGNMENT_ELEMENTS * world_size))) * SHARD_ALIGNMENT_ELEMENTS
+    return ShardGeometry(numel=numel, world_size=world_size, shard_numel=max(shard, SHARD_ALIGNMENT_ELEMENTS))
+
+
+def deepspeed_geometry(numel: int, world_size: int) -> ShardGeometry:
+    """DeepSpeed ZeRO-1's layout, used in checkpoint files so DeepSpeed can load them."""
     alignment = DEEPSPEED_ALIGNMENT_FACTOR * world_size
-    return int(math.ceil(numel / alignment)) * alignment
+    return ShardGeometry(numel=numel, world_size=world_size,
+                         shard_numel=int(math.ceil(numel / alignment)) * alignment // world_size)
 
 
 class FlatParamGroup:
@@ -31,22 +68,25 @@ class FlatParamGroup:
       job_grad     [P] comm dtype   the previous round's gradients, input of the running job
       gather       [P] model dtype  all-gather output of the running job (None if synchronous:
                                     then the job gathers straight into model_flat)
+
+    ``geometry`` gives the shard this rank owns; CO2 shards the same vector twice (inside its
+    group for the inner steps, over all ranks for the outer state), so the padding follows
+    ``padding_world_size``, a multiple of the shard world size.
     """
 
     def __init__(self, params: List[torch.nn.Parameter], param_group: Dict, world_size: int, rank: int,
-                 communication_dtype: torch.dtype, synchronous: bool, padding_world_size: Optional[int] = None):
-        """``world_size``/``rank`` give the shard geometry; the padding follows ``padding_world_size``
-        (default: the same) so that CO2 can shard one vector both inside a group and across all ranks."""
+                 communication_dtype: torch.dtype, synchronous: bool, padding_world_size: int = 0):
         assert params, "a flat group needs at least one trainable parameter"
         padding_world_size = padding_world_size or world_size
         assert padding_world_size % world_size == 0, "the padding must suit the shard geometry"
         self.params = params
         self.param_group = param_group  # the optimizer's dict: schedulers change its "lr"
-        self.world_size = world_size
         self.rank = rank
         self.numel = sum(p.numel() for p in params)
-        self.padded_numel = padded_numel(self.numel, padding_world_size)
-        self.shard_numel = self.padded_numel // world_size
+        padded = aligned_geometry(self.numel, padding_world_size).padded_numel
+        self.geometry = ShardGeometry(numel=self.numel, world_size=world_size, shard_numel=padded // world_size)
+        self.padded_numel = padded
+        self.shard_numel = self.geometry.shard_numel
         self.shard_offset = rank * self.shard_numel
         self.offsets = []
         offset = 0
@@ -62,7 +102,7 @@ class FlatParamGroup:
             view.copy_(p.detach())
             p.data = view
         self.grad_accum = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
-        self._accum_views = [self.grad_accum[s:s + p.numel()].view_as(p) for p, s in zip(params, self.offsets)]
+        self._accum_views = self._views_of(self.grad_accum)
         if communication_dtype == torch.float32:
             # Ping-pong with grad_accum: the boundary swaps the two instead of copying.
             self.job_grad = torch.zeros_like(self.grad_accum)
@@ -70,9 +110,15 @@ class FlatParamGroup:
             self.job_grad = torch.zeros(self.padded_numel, dtype=communication_dtype, device=self.device)
         self.gather = None if synchronous else torch.zeros_like(self.model_flat)
 
+    def _views_of(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        return [flat[s:s + p.numel()].view_as(p) for p, s in zip(self.params, self.offsets)]
+
     # ---- training thread -------------------------------------------------------------------
-    def accumulate_grads(self) -> bool:
-        """Add every param's ``.grad`` into ``grad_accum`` and free it; return False if none had a grad."""
+    def accumulate_grads(self, multiplier: float = 1.0) -> bool:
+        """Add every param's ``.grad`` (times ``multiplier``) into ``grad_accum`` and free it.
+
+        Returns False if no parameter had a gradient.
+        """
         views, grads = [], []
         for p, view in zip(self.params, self._accum_views):
             if p.grad is not None:
@@ -81,25 +127,25 @@ class FlatParamGroup:
                 p.grad = None
         if not views:
             return False
-        if all(g.dtype == torch.float32 for g in grads):
+        if multiplier == 1.0 and all(g.dtype == torch.float32 for g in grads):
             torch._foreach_add_(views, grads)
         else:
             for view, grad in zip(views, grads):
-                view.add_(grad)
+                view.add_(grad, alpha=multiplier)
         return True
 
     def hand_over_grads(self) -> torch.Tensor:
         """Move the round's gradient sums to ``job_grad`` and restart accumulation from zero."""
         if self.job_grad.dtype == torch.float32:
             self.grad_accum, self.job_grad = self.job_grad, self.grad_accum
-            self._accum_views = [self.grad_accum[s:s + p.numel()].view_as(p) for p, s in zip(self.params, self.offsets)]
+            self._accum_views = self._views_of(self.grad_accum)
         else:
             self.job_grad.copy_(self.grad_accum)
         self.grad_accum.zero_()
         return self.job_grad
 
     def install(self, flat: torch.Tensor) -> None:
-        """Make the model hold the parameters in ``flat`` (a full padded vector)."""
+        """Make the model hold the parameters in ``flat`` (a full padded vector, any dtype)."""
         self.model_flat.copy_(flat)
 
     # ---- views -----------------------------------------------------------------------------

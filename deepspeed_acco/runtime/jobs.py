@@ -1,56 +1,111 @@
-"""The AdamW communication job: reduce-scatter -> shard update -> all-gather (DESIGN 3).
+"""The shard-update communication job: reduce-scatter -> shard update -> all-gather (docs/design.md, 3).
 
-One job updates every flat group. It runs on the communication worker, never on the training
-thread, and touches only buffers that the schedule has handed over for its duration:
-``FlatParamGroup.job_grad`` (input), the rank's :class:`ShardState` and the gather target.
+One job updates every flat group. It runs on the communication lane (a CPU worker thread, or
+enqueued on a side stream by the training thread on CUDA) and touches only buffers that the
+schedule has handed over for its duration: ``FlatParamGroup.job_grad`` (input), the rank's
+:class:`ShardState` and the gather target.
 
-Inside the job, on the reduced shard: undo the loss scale, average by the global number of
-contributing micro-batches, clip by the global norm, and skip the update on every rank if any
-gradient is non-finite; one small all-reduce carries the squared norm and the micro-batch count.
+Inside the job, on the reduced shard: undo the loss scale the round's backward used, average by
+the global number of contributing micro-batches, clip by the global norm, and skip the update on
+every rank if any gradient is non-finite; one small all-reduce carries the squared norm and the
+micro-batch count. All of this stays on the device (:func:`update_decision`): the clip factor and
+the skip flag reach the fused kernels as a control tensor, and the job's statistics come back to
+the host as a :class:`~deepspeed_acco.runtime.comm.DeviceReadback`, read at the boundary's wait.
+
+The update itself is an :class:`UpdateRule` (AdamW for our four types): ``commit`` changes the
+master weights and the rule's state, ``estimate`` (ACCO's Peek) only writes the parameters a
+commit would give.
+
+With compressed communication (docs/design.md, 3.7) the reduce-scatter is the quantised one with
+error feedback, and the rule writes the new shard into an fp32 buffer from which the all-gather
+sends the quantised delta against the model's parameters, which every rank holds identically.
 """
 import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .. import ops
-from .comm import Communicator
+from .comm import Communicator, DeviceReadback, PhaseClock
+from .compression import GroupCompression, compressing
 from .flat import FlatParamGroup
 
 # torch.nn.utils.clip_grad_norm_ and DeepSpeed add this to the norm before dividing.
 CLIP_EPSILON = 1e-6
-_KERNEL_OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class JobKind(enum.Enum):
     COMMIT = "commit"
-    """A real AdamW step: master weights, moments and the step count change."""
+    """A real update: master weights, the rule's state and the step count change."""
     ESTIMATE = "estimate"
-    """ACCO's Peek: the parameters an AdamW step would give; optimizer state is left untouched."""
+    """The parameters a commit would give (ACCO's Peek); nothing else changes."""
+
+
+class UpdateRule:
+    """An optimizer's update on flat fp32 shards; subclasses name their per-element state."""
+
+    state_names: tuple = ()
+    """Names of the rule's per-element fp32 state tensors (DeepSpeed checkpoint keys)."""
+
+    def defaults(self, params) -> Dict:
+        """Param-group defaults from the type's params dataclass (the ``torch.optim`` convention)."""
+        raise NotImplementedError
+
+    def hyperparameters(self, param_group: Dict) -> Dict[str, float]:
+        """What ``commit``/``estimate`` take from a param group, read at launch (schedulers change lr)."""
+        raise NotImplementedError
+
+    def commit(self, master, grad, state: Dict[str, torch.Tensor], *, step: int, out, control, **hyper) -> None:
+        """Update ``master`` and ``state`` from ``grad * control[CONTROL_VALUE]``; write the new parameters to ``out``.
+
+        ``control`` (:func:`deepspeed_acco.ops.make_control`) lives on the device; when its skip flag
+        is set nothing changes and ``out`` receives ``master``.
+        """
+        raise NotImplementedError
+
+    def estimate(self, master, grad, state: Dict[str, torch.Tensor], *, step: int, out, control, **hyper) -> None:
+        raise ValueError(f"{type(self).__name__} has no read-only estimate")
+
+
+class AdamWRule(UpdateRule):
+    """``torch.optim.AdamW`` on a shard through the fused kernels; Peek as the estimate."""
+
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def defaults(self, params) -> Dict:
+        return dict(lr=params.lr, betas=tuple(params.betas), eps=params.eps, weight_decay=params.weight_decay)
+
+    def hyperparameters(self, param_group: Dict) -> Dict[str, float]:
+        beta1, beta2 = param_group["betas"]
+        return dict(lr=float(param_group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                    eps=float(param_group["eps"]), weight_decay=float(param_group["weight_decay"]))
+
+    def commit(self, master, grad, state, *, step, out, control, **hyper) -> None:
+        ops.adamw_step(master, grad, state["exp_avg"], state["exp_avg_sq"], step=step, out=out, control=control,
+                       **hyper)
+
+    def estimate(self, master, grad, state, *, step, out, control, **hyper) -> None:
+        ops.adamw_peek(master, grad, state["exp_avg"], state["exp_avg_sq"], step=step, out=out, control=control,
+                       **hyper)
+
+
+ADAMW = AdamWRule()
 
 
 class ShardState:
-    """Rank r's shard of one flat group: fp32 master weights and AdamW moments, plus job buffers."""
+    """Rank r's shard of one flat group: fp32 master weights and the rule's state, plus job buffers."""
 
-    def __init__(self, flat: FlatParamGroup, communication_dtype: torch.dtype):
+    def __init__(self, flat: FlatParamGroup, communication_dtype: torch.dtype, rule: UpdateRule):
         shard = flat.shard_numel
         device = flat.device
         self.master = flat.shard_of(flat.model_flat).to(torch.float32, copy=True)
-        self.exp_avg = torch.zeros(shard, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=device)
+        self.state: Dict[str, torch.Tensor] = {name: torch.zeros(shard, dtype=torch.float32, device=device)
+                                               for name in rule.state_names}
         self.reduced = torch.zeros(shard, dtype=communication_dtype, device=device)
         self.grad = torch.zeros(shard, dtype=torch.float32, device=device)
-        # ACCO: the reduced (loss-unscaled) first-half gradient sum, kept from the estimate job
-        # for the commit job of the same update. O(params / W), and part of checkpoints.
-        self.first_half_sum: Optional[torch.Tensor] = None
-
-    def ensure_first_half_buffer(self) -> torch.Tensor:
-        if self.first_half_sum is None:
-            self.first_half_sum = torch.zeros_like(self.grad)
-        return self.first_half_sum
 
 
 @dataclass
@@ -61,95 +116,145 @@ class JobResult:
     local_micro_batches: int
     """Micro-batches this rank contributed in the round the job reduced."""
     global_micro_batches: int
-    """Micro-batches, over all ranks, whose gradients this update averaged (ACCO commit: both halves)."""
+    """Micro-batches, over all ranks, whose gradients this update averaged (with carried ones)."""
     grad_norm: float
-    """Global L2 norm of the averaged gradient before clipping (nan/inf when skipped)."""
+    """Global L2 norm of the averaged gradient before clipping (nan when skipped)."""
     timings_s: Dict[str, float] = field(default_factory=dict)
 
 
+def correctly_rounded_sqrt(value: torch.Tensor) -> torch.Tensor:
+    """The square root of a 0-dim float64 tensor, correctly rounded, on the tensor's device.
+
+    torch's float64 sqrt on the CPU is a vectorised approximation that is off by one ulp now and
+    then; the host's ``math.sqrt`` is exact, and reading a CPU tensor is no synchronisation. CUDA's
+    float64 sqrt is IEEE-exact. So CPU results stay bitwise those of the host arithmetic.
+    """
+    if value.device.type == "cpu":
+        return torch.tensor(math.sqrt(value.item()), dtype=torch.float64)
+    return torch.sqrt(value)
+
+
+def update_decision(statistics: torch.Tensor, *, carried_micro_batches: int,
+                    gradient_clipping: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What an update does, decided on the statistics' device (no host synchronisation).
+
+    ``statistics`` = [sum over ranks and groups of ||grad sum||^2, micro-batches of the round over
+    ranks] (float64, all-reduced). Returns ``(control, summary)``: the kernels' control tensor
+    [gradient multiplier 1 / micro-batches (times the clip factor), skip flag] and the float64
+    summary [skipped, grad_norm, global micro-batches] the result is read from.
+
+    The arithmetic is float64, operation for operation what the host computed before (so the fp32
+    multiplier is bitwise the same): norm = sqrt(sumsq) / micro-batches, nan if either is
+    non-finite or there are no micro-batches; multiplier = 1 / micro-batches, times
+    clipping / (norm + 1e-6) when the norm exceeds ``gradient_clipping`` > 0.
+    """
+    global_sumsq, round_micro_batches = statistics[0], statistics[1]
+    micro_batches = torch.round(round_micro_batches) + float(carried_micro_batches)
+    defined = torch.isfinite(global_sumsq) & (micro_batches > 0)
+    root = correctly_rounded_sqrt(torch.where(defined, global_sumsq, 0.0))
+    grad_norm = torch.where(defined, root / micro_batches, float("nan"))
+    skip = ~torch.isfinite(grad_norm)
+    multiplier = micro_batches.reciprocal()
+    if gradient_clipping > 0.0:
+        clip = torch.div(torch.full_like(grad_norm, gradient_clipping), grad_norm + CLIP_EPSILON)
+        multiplier = torch.where(grad_norm > gradient_clipping, multiplier * clip, multiplier)
+    summary = torch.stack([skip.to(torch.float64), grad_norm, micro_batches])
+    return ops.make_control(multiplier, skip), summary
+
+
 @dataclass
-class AdamWJob:
-    """One communication job of the AdamW family, with everything captured at launch."""
+class ShardUpdateJob:
+    """One communication job of a shard-update rule, with everything captured at launch."""
 
     kind: JobKind
     flats: List[FlatParamGroup]
     states: List[ShardState]
     communicator: Communicator
+    rule: UpdateRule
     step: int
-    """1-based AdamW step count of the update this job computes (bias correction)."""
+    """1-based step count of the update this job computes (bias correction)."""
     hyperparameters: List[Dict[str, float]]
-    """Per group: lr, beta1, beta2, eps, weight_decay, read from the param groups at launch."""
+    """Per group, read from the param groups at launch."""
     local_micro_batches: int
     loss_scale: float = 1.0
+    """The loss scale the reduced round's backward passes used."""
     gradient_clipping: float = 0.0
-    keep_first_half: bool = False
-    """ESTIMATE in ACCO: keep the reduced gradient sum for the commit job."""
-    first_half_micro_batches: int = 0
-    """COMMIT in ACCO: add the kept first-half sum and its global micro-batch count."""
+    keep_reduced: Optional[List[torch.Tensor]] = None
+    """Per group, a shard buffer that receives the reduced, unscaled gradient sum (ACCO's first half)."""
+    carried: Optional[List[torch.Tensor]] = None
+    """Per group, gradient sums of earlier micro-batches added before averaging (ACCO's commit)."""
+    carried_micro_batches: int = 0
+    """Global micro-batch count of ``carried``."""
+    compression: Optional[List[GroupCompression]] = None
+    """Per group, the compressed collectives that replace the reduce-scatter and/or the all-gather
+    (docs/design.md, 3.7); None: both uncompressed."""
 
-    def __call__(self) -> JobResult:
-        timings = {}
+    def __call__(self) -> DeviceReadback:
+        device = self.states[0].master.device
+        clock = PhaseClock(device)
         cpu_start = time.thread_time()
-        start = time.perf_counter()
-        for flat, state in zip(self.flats, self.states):
-            self.communicator.reduce_scatter(state.reduced, flat.job_grad)
-        timings["reduce_scatter"] = time.perf_counter() - start
+        with clock.phase("reduce_scatter"):
+            for index, (flat, state) in enumerate(zip(self.flats, self.states)):
+                self._reduce_scatter(index, state.reduced, flat.job_grad)
 
-        start = time.perf_counter()
-        grad_sumsq = 0.0
-        for state in self.states:
-            torch.mul(state.reduced, 1.0 / self.loss_scale, out=state.grad)
-            if self.keep_first_half:
-                state.ensure_first_half_buffer().copy_(state.grad)
-            if self.first_half_micro_batches:
-                state.grad.add_(state.first_half_sum)
-            grad_sumsq += float(torch.linalg.vector_norm(state.grad))**2
-        statistics = torch.tensor([grad_sumsq, float(self.local_micro_batches)], dtype=torch.float64,
-                                  device=self.states[0].grad.device)
-        timings["norm"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self.communicator.all_reduce(statistics)
-        timings["all_reduce"] = time.perf_counter() - start
-        global_sumsq, round_micro_batches = statistics.tolist()
-        micro_batches = int(round(round_micro_batches)) + self.first_half_micro_batches
-        grad_norm = math.sqrt(global_sumsq) / micro_batches if math.isfinite(global_sumsq) else float("nan")
-        skipped = not math.isfinite(grad_norm)
+        with clock.phase("norm"):
+            squares = []
+            for index, state in enumerate(self.states):
+                torch.mul(state.reduced, 1.0 / self.loss_scale, out=state.grad)
+                if self.keep_reduced is not None:
+                    self.keep_reduced[index].copy_(state.grad)
+                if self.carried is not None:
+                    state.grad.add_(self.carried[index])
+                squares.append(torch.linalg.vector_norm(state.grad).double().square())
+            local_micro_batches = torch.full((), float(self.local_micro_batches), dtype=torch.float64, device=device)
+            statistics = torch.stack([torch.stack(squares).sum(), local_micro_batches])
+        with clock.phase("all_reduce"):
+            self.communicator.all_reduce(statistics)
 
-        start = time.perf_counter()
-        if not skipped:
-            scale = 1.0 / micro_batches
-            if self.gradient_clipping > 0.0 and grad_norm > self.gradient_clipping:
-                scale *= self.gradient_clipping / (grad_norm + CLIP_EPSILON)
-            for flat, state, hyper in zip(self.flats, self.states, self.hyperparameters):
-                state.grad.mul_(scale)
-                out = flat.shard_of(flat.gather_target())
-                # The kernels write fp32/bf16 straight into the gather buffer; fp16 goes via fp32.
-                kernel_out = out if out.dtype in _KERNEL_OUT_DTYPES else torch.empty_like(state.master)
-                update = ops.adamw_step if self.kind is JobKind.COMMIT else ops.adamw_peek
-                update(state.master, state.grad, state.exp_avg, state.exp_avg_sq, step=self.step, out=kernel_out,
-                       **hyper)
-                if kernel_out is not out:
-                    out.copy_(kernel_out)
-        else:
-            # Every rank skips (the statistics were all-reduced); the gather restores the master
-            # weights, which matters for ACCO whose model may hold an estimate at this point.
-            for flat, state in zip(self.flats, self.states):
-                flat.shard_of(flat.gather_target()).copy_(state.master)
-        timings["update"] = time.perf_counter() - start
+        with clock.phase("update"):
+            control, summary = update_decision(statistics, carried_micro_batches=self.carried_micro_batches,
+                                               gradient_clipping=self.gradient_clipping)
+            # A skipped update (decided on every rank alike, from all-reduced statistics) gathers the
+            # master weights, which matters for ACCO, whose model may hold an estimate at this point.
+            update = self.rule.commit if self.kind is JobKind.COMMIT else self.rule.estimate
+            for index, (flat, state, hyper) in enumerate(zip(self.flats, self.states, self.hyperparameters)):
+                update(state.master, state.grad, state.state, step=self.step, out=self._update_output(index, flat),
+                       control=control, **hyper)
 
-        start = time.perf_counter()
-        for flat in self.flats:
-            target = flat.gather_target()
+        with clock.phase("all_gather"):
+            for index, flat in enumerate(self.flats):
+                self._all_gather(index, flat)
+        if not clock.cuda:
+            # CPU time of this thread: on a CPU cluster it is taken from the model's compute.
+            clock.record("worker_cpu", time.thread_time() - cpu_start)
+        return DeviceReadback(summary, self._result, clock)
+
+    def _result(self, summary: List[float], timings_s: Dict[str, float]) -> JobResult:
+        skipped, grad_norm, micro_batches = summary
+        return JobResult(kind=self.kind, skipped=bool(skipped), local_micro_batches=self.local_micro_batches,
+                         global_micro_batches=int(round(micro_batches)), grad_norm=grad_norm, timings_s=timings_s)
+
+    # ---- the collectives, compressed or not --------------------------------------------------
+    def _reduce_scatter(self, index: int, output: torch.Tensor, input: torch.Tensor) -> None:
+        compression = compressing(self.compression, index, "gradients")
+        if compression is None:
+            self.communicator.reduce_scatter(output, input)
+        else:  # the residual follows the round's loss scale (fp16)
+            compression.reduce_scatter(output, input, loss_scale=self.loss_scale)
+
+    def _update_output(self, index: int, flat: FlatParamGroup) -> torch.Tensor:
+        """Where the rule writes this rank's new parameters: its shard of the gather target, or, when
+        weights are compressed, an fp32 buffer from which the delta against what the ranks hold is sent."""
+        compression = compressing(self.compression, index, "weights")
+        return flat.shard_of(flat.gather_target()) if compression is None else compression.new_shard
+
+    def _all_gather(self, index: int, flat: FlatParamGroup) -> None:
+        target = flat.gather_target()
+        compression = compressing(self.compression, index, "weights")
+        if compression is None:
             self.communicator.all_gather(target, flat.shard_of(target))
-        timings["all_gather"] = time.perf_counter() - start
-        # CPU time of this thread: on a CPU cluster it is taken from the model's compute.
-        timings["worker_cpu"] = time.thread_time() - cpu_start
-        return JobResult(kind=self.kind, skipped=skipped, local_micro_batches=self.local_micro_batches,
-                         global_micro_batches=micro_batches, grad_norm=grad_norm, timings_s=timings)
-
-
-def hyperparameters_of(param_group: Dict) -> Dict[str, float]:
-    """The AdamW hyperparameters of a param group, as the update functions take them."""
-    beta1, beta2 = param_group["betas"]
-    return dict(lr=float(param_group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(param_group["eps"]),
-                weight_decay=float(param_group["weight_decay"]))
+        else:
+            # The model's parameters are what every rank holds, and they stay unchanged while the job
+            # runs (installs happen after a wait); for ACCO's commit they are the estimate, so the
+            # delta is the small correction theta_{t+1} - theta~_{t+1}.
+            compression.all_gather(target, held=flat.model_flat)

@@ -1,37 +1,34 @@
-"""The optimizer object ``initialize`` returns: param groups plus this rank's ZeRO-1 shards.
+"""The optimizer object ``initialize`` returns: param groups plus this rank's shards of each group.
 
 It is a ``torch.optim.Optimizer`` so that DeepSpeed's and torch's LR schedulers can drive its
 ``param_groups[i]["lr"]``; the update itself is run by the engine's communication jobs, so
 ``step()`` is not for users (DeepSpeed's ZeRO optimizers are used the same way).
 """
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from .flat import FlatParamGroup
-from .jobs import ShardState
+from .jobs import ShardState, UpdateRule
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Param groups and, per group with trainable parameters, its flat buffers and shard state."""
 
     def __init__(self, param_groups: List[Dict], defaults: Dict, *, world_size: int, rank: int,
-                 communication_dtype: torch.dtype, synchronous: bool, padding_world_size: Optional[int] = None):
+                 communication_dtype: torch.dtype, synchronous: bool, rule: UpdateRule, padding_world_size: int = 0):
         super().__init__(param_groups, defaults)
         self.flats: List[FlatParamGroup] = []
-        self.group_indices: List[int] = []
-        """Index in ``param_groups`` of each flat group (groups without trainable params have none)."""
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
             if trainable:
                 self.flats.append(FlatParamGroup(trainable, group, world_size, rank, communication_dtype, synchronous,
                                                  padding_world_size))
-                self.group_indices.append(index)
         if not self.flats:
             raise ValueError("model_parameters: no parameter requires a gradient; there is nothing to optimize")
-        self.shards = [ShardState(flat, communication_dtype) for flat in self.flats]
-        self.applied_steps = 0
-        """AdamW step count: committed updates that were applied (not skipped); drives bias correction."""
+        self.shards = [ShardState(flat, communication_dtype, rule) for flat in self.flats]
+        # DeepSpeed's optimizers report this after each step; the engine keeps it current.
+        self.overflow = False
 
     def step(self, closure=None):
         raise RuntimeError("deepspeed_acco runs the optimizer inside engine.step(); call engine.step() once per "

@@ -1,231 +1,516 @@
-"""Round schedules: when a round ends, what the boundary waits for, installs and launches (DESIGN 3).
+"""What every optimizer type's schedule shares: rounds, the running job, waits and commit accounting.
 
-A *round* is the unit of overlap: the training thread accumulates gradients over some
-micro-batches while at most one communication job runs. At a round boundary the schedule
-(1) waits for the running job, (2) installs its gathered parameters in the model, (3) hands the
-round's gradients to the next job and launches it, (4) returns.
+A *round* is the unit of overlap (docs/design.md, section 3): the training thread accumulates
+gradients over some micro-batches while at most one job per communicator runs. At a round
+boundary the type's ``boundary()`` (1) waits for the running job, (2) installs what it gathered,
+(3) hands the round's gradients to the next job and launches it, (4) returns.
 
-Communication and ordering, per optimizer type (t = update index, theta~ = ACCO estimate):
+Each optimizer type is one subclass in :mod:`deepspeed_acco.runtime.optimizers`, with its params
+dataclass, its phases (an enum whose docstrings say what the model holds and what runs), its
+boundary rule and its in-flight state (``checkpoint_state`` / ``load_checkpoint_state``).
 
-    ShardedAdamW  round t: full batch at theta_t      | boundary: launch commit t+1, wait, done
-    DPU           round t: full batch at theta_{t-1}  | boundary: wait commit t, install theta_t,
-                                                      |           launch commit t+1 on g_t
-    ACCO          round A_t: half batch at theta~_t   | boundary: wait commit t, install theta_t,
-                                                      |           launch estimate theta~_{t+1} on A_t
-                  round B_t: half batch at theta_t    | boundary: wait estimate, install theta~_{t+1},
-                                                      |           launch commit t+1 on A_t + B_t
-    CO2           see :mod:`deepspeed_acco.runtime.co2` (local steps, outer averaging every tau steps)
+The schedule owns the :class:`~deepspeed_acco.runtime.progress.Progress` record, the loss scale
+and the LR scheduler stepping: :func:`account_commit` is the only place that advances them.
 """
-import abc
 import collections
 import contextlib
+import dataclasses
 import enum
+import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Type
 
-from .comm import Communicator, Pipeline, Work
-from .jobs import AdamWJob, JobKind, JobResult, ShardState, hyperparameters_of
+import torch
+
+from .comm import Communicator, CompletedWork, ControlPlane, Lane, Work
+from .compression import GroupCompression, group_compressions, load_group_compressions, wire_bytes
 from .flat import FlatParamGroup
+from .jobs import ADAMW, JobKind, JobResult, ShardState, ShardUpdateJob, UpdateRule
+from .loss_scale import LossScale
+from .optimizer import ShardedOptimizer
+from .progress import Progress
+
+logger = logging.getLogger("DeepSpeed").getChild("acco")
 
 # Boundary waits remembered for the wall_clock_breakdown report.
 _RECENT_WAITS = 256
 
 
-class Phase(enum.Enum):
-    """Where the schedule stands between two boundaries."""
-
-    SYNC = "sync"
-    """ShardedAdamW: accumulating full batch t at theta_t; no job runs between boundaries."""
-    DELAYED = "delayed"
-    """DPU: accumulating full batch t at theta_{t-1}; the running job commits theta_t (none in round 0)."""
-    FIRST_HALF = "first_half"
-    """ACCO A_t: accumulating the first half at theta~_t; the running job commits theta_t (none for t = 0)."""
-    SECOND_HALF = "second_half"
-    """ACCO B_t: accumulating the second half at theta_t; the running job estimates theta~_{t+1} from A_t."""
-    LOCAL = "local"
-    """CO2 round k+1: local inner steps from the anchor x_{k+1}; the running job computes x_{k+2}."""
-
-
 @dataclass(kw_only=True)
-class ScheduleSettings:
-    overlap: bool
-    gradient_clipping: float
-    nominal_round_micro_batches: int
-    """Micro-batches per round per rank: the accumulation steps (ACCO: half of them)."""
-    dynamic_accumulation: bool = False
+class BuildContext:
+    """Everything a schedule needs to build itself (made by :mod:`deepspeed_acco.runtime.builder`)."""
+
+    params: Any
+    """The type's parsed params dataclass."""
+    config: Any
+    """The engine's :class:`~deepspeed_acco.config.EngineConfig`."""
+    param_groups: List[Dict]
+    rank: int
+    world_size: int
+    device: torch.device
+    lane: Lane
+    jobs_communicator: Communicator
+    """The process group over all ranks that the jobs use."""
+    control: ControlPlane
+    loss_scale: LossScale
+    new_group_communicator: Callable[[int, str], Communicator]
+    """``f(group_size, name)``: the communicator of this rank's group of consecutive ranks (collective)."""
 
 
-class Schedule(abc.ABC):
-    """Base class: the pipeline state shared by every AdamW-family schedule.
+@dataclass
+class CheckpointState:
+    """A schedule's state as checkpoints see it, in this engine's shard geometry.
 
-    ``on_commit(result)`` is called by the boundary as soon as a commit's result is installed and
-    before the next job is launched, so the engine's counters and LR scheduler are up to date for
-    the hyperparameters the next job captures.
+    ``fp32_partitions``/``rule_state`` are DeepSpeed's ``single_partition_of_fp32_groups`` and
+    base optimizer state (re-shardable); ``sharded`` holds further shards over all ranks (re-shardable);
+    ``local`` tensors belong to this rank alone (same world size only); ``meta`` is plain data.
     """
 
-    initial_phase: Phase
+    fp32_partitions: List[torch.Tensor]
+    rule_state: Optional[List[Dict[str, torch.Tensor]]]
+    sharded: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+    local: Dict[str, Any] = field(default_factory=dict)
+    meta: Dict[str, Any] = field(default_factory=dict)
 
-    def __init__(self, flats: List[FlatParamGroup], shards: List[ShardState], communicator: Communicator,
-                 pipeline: Pipeline, settings: ScheduleSettings, applied_steps: Callable[[], int],
-                 on_commit: Callable[[JobResult], None], loss_scale: Callable[[], float]):
-        self.flats = flats
-        self.shards = shards
+
+def result_to_dict(result) -> Dict:
+    values = dataclasses.asdict(result)
+    values.pop("timings_s", None)
+    if isinstance(values.get("kind"), JobKind):
+        values["kind"] = values["kind"].value
+    return values
+
+
+def job_result_from_dict(values: Dict) -> JobResult:
+    return JobResult(**dict(values, kind=JobKind(values["kind"])))
+
+
+def step_lr_scheduler(lr_scheduler) -> None:
+    """One scheduler step. torch's schedulers warn unless ``optimizer.step()`` ran first; our
+    updates run inside jobs instead, so that one warning is silenced here and nowhere else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        lr_scheduler.step()
+
+
+def account_commit(result: JobResult, progress: Progress, loss_scale: LossScale, lr_scheduler, *,
+                   samples_of_commit: int, train_batch_size: int, follow_samples: bool,
+                   schedule_skipped: bool = False) -> None:
+    """Advance counters, loss scale and LR schedule for one installed commit.
+
+    ``samples_of_commit`` is added to ``global_samples`` (0 when samples are counted per micro-step).
+    With ``follow_samples`` the LR schedule steps once per ``train_batch_size`` samples consumed
+    (dynamic accumulation), else once per applied update (and per skipped one too with
+    ``schedule_skipped``: CO2's replicas skip alone, yet must stay on one schedule).
+    """
+    progress.global_steps += 1
+    progress.global_samples += samples_of_commit
+    loss_scale.update(result.skipped)
+    if result.skipped:
+        progress.skipped_steps += 1
+    else:
+        progress.applied_steps += 1
+    if lr_scheduler is None or (result.skipped and not schedule_skipped):
+        return
+    if follow_samples:
+        target = progress.global_samples // train_batch_size
+        while progress.scheduler_steps < target:
+            step_lr_scheduler(lr_scheduler)
+            progress.scheduler_steps += 1
+    else:
+        step_lr_scheduler(lr_scheduler)
+        progress.scheduler_steps += 1
+
+
+class Schedule:
+    """Base class of the optimizer types: the pipeline state they share."""
+
+    type_name: ClassVar[str]
+    """The optimizer type as written in the DeepSpeed config (matched case-insensitively)."""
+    Params: ClassVar[type]
+    """kw_only dataclass of the type's ``optimizer.params``."""
+    Phase: ClassVar[Type[enum.Enum]]
+    """The type's phases; the first member is where training starts."""
+    rule: ClassVar[UpdateRule] = ADAMW
+    rounds_per_update: ClassVar[int] = 1
+    """Rounds per committed update: the round holds gradient_accumulation_steps / this micro-batches."""
+    synchronous: ClassVar[bool] = False
+    """Jobs gather straight into the model (no gather buffer); only for schedules that wait at once."""
+
+    @classmethod
+    def validate_config(cls, params, batch, world_size: int) -> None:
+        """Checks that need more than the params (batch sizes, world size); raise ``ValueError``."""
+
+    @classmethod
+    def build(cls, context: BuildContext) -> "Schedule":
+        """ZeRO-1 over all ranks (CO2 overrides this)."""
+        optimizer = ShardedOptimizer(context.param_groups, cls.rule.defaults(context.params),
+                                     world_size=context.world_size, rank=context.rank,
+                                     communication_dtype=context.config.communication_torch_dtype,
+                                     synchronous=cls.synchronous, rule=cls.rule)
+        return cls(context, optimizer, context.jobs_communicator)
+
+    def __init__(self, context: BuildContext, optimizer: ShardedOptimizer, communicator: Communicator):
+        config = context.config
+        self.params = context.params
+        self.optimizer = optimizer
+        self.flats: List[FlatParamGroup] = optimizer.flats
+        self.shards: List[ShardState] = optimizer.shards
         self.communicator = communicator
-        self.pipeline = pipeline
-        self.settings = settings
-        self._applied_steps = applied_steps
-        self._on_commit = on_commit
-        self._loss_scale = loss_scale
-        self.phase = self.initial_phase
+        self.lane = context.lane
+        self.control = context.control
+        self.loss_scale = context.loss_scale
+        self.lr_scheduler = None
+        self.progress = Progress()
+        self.world_size = context.world_size
+        self.rank = context.rank
+        self.overlap = bool(getattr(self.params, "overlap", True))
+        self.dynamic_accumulation = bool(getattr(self.params, "dynamic_accumulation", False))
+        self.gradient_clipping = config.gradient_clipping
+        self.micro_batch_size = config.batch.micro_batch_size
+        self.train_batch_size = config.batch.train_batch_size
+        self.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
+        self.warmup_sync_updates = int(getattr(self.params, "warmup_sync_updates", 0))
+        self.phase = next(iter(self.Phase))
         self.round_micro_batches = 0
+        self.round_loss_scale: Optional[float] = None
+        """The loss scale this round's backward passes used (None before the first one)."""
         self.running: Optional[Work] = None
         self.running_kind: Optional[JobKind] = None
+        self.jobs_launched = 0
         self.total_wait_s = 0.0
-        """Seconds the training thread spent blocked in boundary waits."""
+        """Seconds the training thread spent blocked on jobs."""
         self.recent_wait_s = collections.deque(maxlen=_RECENT_WAITS)
-        self.last_result: Optional[JobResult] = None
+        """Blocked seconds of each recent boundary (one entry per boundary)."""
+        self._boundary_wait_s = 0.0
+        self.on_commit: Optional[Callable[[JobResult], None]] = None
+        """Called after each commit's accounting (the engine's logging and monitors)."""
+        self.compression: Optional[List[GroupCompression]] = group_compressions(
+            config.compression, communicator, [flat.padded_numel for flat in self.flats], context.device)
+        """Per group, the compressed collectives of this schedule's jobs (None: uncompressed)."""
+
+    # ---- synchronous warm-up ------------------------------------------------------------------
+    @property
+    def in_sync_warmup(self) -> bool:
+        """Whether the next update is one of the first ``warmup_sync_updates`` (synchronous ZeRO-1)."""
+        return self.progress.global_steps < self.warmup_sync_updates
+
+    @property
+    def current_rounds_per_update(self) -> int:
+        return 1 if self.in_sync_warmup else self.rounds_per_update
+
+    @property
+    def nominal_round_micro_batches(self) -> int:
+        """Micro-batches per round per rank: the accumulation steps (ACCO: half of them after warm-up)."""
+        return max(1, self.gradient_accumulation_steps // self.current_rounds_per_update)
+
+    def _sync_boundary(self) -> None:
+        """A warm-up update: ShardedAdamW's, waited at once and installed; the type's phases wait."""
+        work = self._launch(JobKind.COMMIT, wait=True)
+        if not self.synchronous:
+            self._install_gathered()
+        self._account_commit(work.wait())
 
     # ---- called by the engine --------------------------------------------------------------
+    def backward_loss_scale(self) -> float:
+        """The loss scale for the next backward pass, remembered as this round's scale."""
+        scale = self.loss_scale.scale
+        assert self.round_loss_scale in (None, scale), "the loss scale changed inside a round"
+        self.round_loss_scale = scale
+        return scale
+
     def micro_batch_done(self) -> bool:
         """Count one micro-batch; run the boundary if it ends the round. Returns True at a boundary."""
-        self.round_micro_batches += 1
+        self.count_micro_batch()
         if not self.round_ends():
             return False
-        self.boundary()
-        self.round_micro_batches = 0
+        self.end_round()
         return True
 
+    def count_micro_batch(self) -> None:
+        """Count one micro-batch whose gradients were added to the round in progress."""
+        self.progress.micro_steps += 1
+        if not self.dynamic_accumulation:
+            self.progress.global_samples += self.micro_batch_size * self.world_size
+        self.round_micro_batches += 1
+
     def round_ends(self) -> bool:
-        if self.settings.dynamic_accumulation and self.running is not None:
+        if self.dynamic_accumulation and self.running is not None:
             # Accumulate while you communicate: end the round as soon as the job is done.
             return self.round_micro_batches >= 1 and self.running.is_done()
-        return self.round_micro_batches >= self.settings.nominal_round_micro_batches
+        return self.round_micro_batches >= self.nominal_round_micro_batches
 
-    @abc.abstractmethod
+    def next_step_ends_round(self) -> bool:
+        """Whether the next ``micro_batch_done`` ends a round (DeepSpeed's accumulation boundary)."""
+        if self.dynamic_accumulation and self.running is not None:
+            return self.running.is_done()
+        return self.round_micro_batches + 1 >= self.nominal_round_micro_batches
+
+    def round_index_in_update(self) -> int:
+        """Position (0-based) of the round in progress within its update.
+
+        Assumes the ``Phase`` members are listed in round order, one per round of an update (ACCO:
+        first half, second half); a type whose phases are laid out otherwise overrides this.
+        """
+        return list(self.Phase).index(self.phase) % self.current_rounds_per_update
+
+    def end_round(self) -> None:
+        """Run the boundary now, whatever the round's length: wait, install, launch."""
+        self._boundary_wait_s = 0.0
+        if self.in_sync_warmup and self.running is None:
+            self._sync_boundary()
+        else:
+            self.boundary()
+        self.total_wait_s += self._boundary_wait_s
+        self.recent_wait_s.append(self._boundary_wait_s)
+        self.round_micro_batches = 0
+        self.round_loss_scale = None
+
     def boundary(self) -> None:
         """Wait, install, launch: the optimizer type's rule for the end of a round."""
+        raise NotImplementedError
 
     def drain(self) -> None:
         """Wait for the running job without consuming its result (checkpoints, evaluation)."""
         if self.running is not None:
             self.running.wait()
 
+    def synchronize(self) -> None:
+        """Bring every rank to the same job and drain it (collective).
+
+        With dynamic accumulation a fast rank may already have launched the next job while a slow
+        one is still accumulating; the slow one then ends its round now, so that every rank has
+        launched the same jobs and the drain cannot wait for a job a peer never starts.
+        """
+        if self.dynamic_accumulation and self.world_size > 1:
+            target = self.control.max(self.jobs_launched)
+            while self.jobs_launched < target:
+                self.end_round()
+        self.drain()
+
+    def pending_commit(self) -> Optional[JobResult]:
+        """The finished commit whose result is not installed yet (waits for it), or None."""
+        if self.running is None or self.running_kind is not JobKind.COMMIT:
+            return None
+        return self.running.wait()
+
     @contextlib.contextmanager
     def committed_parameters(self) -> Iterator[None]:
-        """Temporarily make the model hold the newest committed parameters."""
+        """Temporarily make the model hold the newest committed parameters (call ``synchronize`` first)."""
         self.drain()
-        if self.running is None or self.running_kind is not JobKind.COMMIT:
+        committed = self.committed_flats()
+        if committed is None:
             yield  # the model already holds committed parameters
             return
         saved = [flat.model_flat.clone() for flat in self.flats]
         try:
-            for flat in self.flats:
-                flat.install(flat.gather)
+            for flat, values in zip(self.flats, committed):
+                flat.install(values)
             yield
         finally:
             for flat, values in zip(self.flats, saved):
                 flat.model_flat.copy_(values)
 
-    # ---- building blocks -------------------------------------------------------------------
-    def _timed_wait(self, work: Work) -> JobResult:
-        start = time.perf_counter()
-        result = work.wait()
-        waited = time.perf_counter() - start
-        self.total_wait_s += waited
-        self.recent_wait_s.append(waited)
-        return result
-
-    def _wait_running(self) -> Optional[JobResult]:
-        if self.running is None:
+    def committed_flats(self) -> Optional[List[torch.Tensor]]:
+        """Full vectors of the newest committed parameters when the model does not hold them, else None."""
+        if self.pending_commit() is None:
             return None
-        result = self._timed_wait(self.running)
+        return [flat.gather for flat in self.flats]
+
+    def reset(self) -> None:
+        """Forget the round in progress and any job: continue from the committed state as loaded."""
+        self.drain()
+        self.phase = next(iter(self.Phase))
+        self.round_micro_batches = 0
+        self.round_loss_scale = None
         self.running = None
         self.running_kind = None
-        self.last_result = result
+        for flat in self.flats:
+            flat.grad_accum.zero_()
+        for compression in self.compression or ():
+            compression.reset()
+
+    # ---- building blocks for the types -----------------------------------------------------
+    def _wait(self, work: Work):
+        start = time.perf_counter()
+        result = work.wait()
+        self._boundary_wait_s += time.perf_counter() - start
         return result
 
-    def _make_job(self, kind: JobKind, **options) -> AdamWJob:
-        """Hand the round's gradients over and capture everything the job needs, now."""
-        for flat in self.flats:
-            flat.hand_over_grads()
-        return AdamWJob(kind=kind, flats=self.flats, states=self.shards, communicator=self.communicator,
-                        step=self._applied_steps() + 1,
-                        hyperparameters=[hyperparameters_of(flat.param_group) for flat in self.flats],
-                        local_micro_batches=self.round_micro_batches, loss_scale=self._loss_scale(),
-                        gradient_clipping=self.settings.gradient_clipping, **options)
+    def _wait_running(self):
+        if self.running is None:
+            return None
+        result = self._wait(self.running)
+        self.running = None
+        self.running_kind = None
+        return result
 
-    def _launch(self, kind: JobKind, *, keep_first_half: bool = False, first_half_micro_batches: int = 0,
-                synchronous: bool = False) -> Work:
-        job = self._make_job(kind, keep_first_half=keep_first_half, first_half_micro_batches=first_half_micro_batches)
-        work = self.pipeline.submit(job, label=f"{kind.value} of update {job.step}")
-        if synchronous or not self.settings.overlap:
-            # Same math, no overlap: the job completes now; its result is still installed at
-            # the same point of the schedule as with overlap.
-            self._timed_wait(work)
+    def _submit(self, job: Callable[[], Any], communicator: Communicator, label: str, *, wait: bool,
+                kind: Optional[JobKind] = None) -> Work:
+        """Submit a job to the lane; it becomes the running job unless ``wait`` (then it is done)."""
+        work = self.lane.submit(job, communicator, label=label)
+        self.jobs_launched += 1
+        if wait:
+            self._wait(work)
+            return work
+        if not self.overlap:
+            # Same math, no overlap: the job completes now; its result is still installed at the
+            # same point of the schedule as with overlap.
+            self._wait(work)
         self.running = work
         self.running_kind = kind
         return work
+
+    def _shard_update_job(self, kind: JobKind, **options) -> ShardUpdateJob:
+        """Hand the round's gradients over and capture everything the job needs, now."""
+        for flat in self.flats:
+            flat.hand_over_grads()
+        scale = self.round_loss_scale if self.round_loss_scale is not None else self.loss_scale.scale
+        return ShardUpdateJob(kind=kind, flats=self.flats, states=self.shards, communicator=self.communicator,
+                              rule=self.rule, step=self.progress.applied_steps + 1,
+                              hyperparameters=[self.rule.hyperparameters(flat.param_group) for flat in self.flats],
+                              local_micro_batches=self.round_micro_batches, loss_scale=scale,
+                              gradient_clipping=self.gradient_clipping, compression=self.compression, **options)
+
+    def _launch(self, kind: JobKind, *, wait: bool = False, **options) -> Work:
+        job = self._shard_update_job(kind, **options)
+        return self._submit(job, self.communicator, f"{kind.value} of update {job.step}", wait=wait, kind=kind)
 
     def _install_gathered(self) -> None:
         for flat in self.flats:
             flat.install(flat.gather)
 
-    def reset(self) -> None:
-        """Forget the round in progress and any job result: start afresh from the committed state."""
-        self.drain()
-        self.phase = self.initial_phase
-        self.round_micro_batches = 0
-        self.running = None
-        self.running_kind = None
-        for flat in self.flats:
-            flat.grad_accum.zero_()
+    schedule_skipped_steps: ClassVar[bool] = False
+    """Whether the LR schedule also advances on a skipped update (see :func:`account_commit`)."""
+
+    def _account_commit(self, result: JobResult) -> None:
+        samples = result.global_micro_batches * self.micro_batch_size if self.dynamic_accumulation else 0
+        account_commit(result, self.progress, self.loss_scale, self.lr_scheduler, samples_of_commit=samples,
+                       train_batch_size=self.train_batch_size, follow_samples=self.dynamic_accumulation,
+                       schedule_skipped=self.schedule_skipped_steps)
+        if self.on_commit is not None:
+            self.on_commit(result)
+
+    def committed_view(self):
+        """(progress, loss scale, LR-scheduler state, param-group lrs) as if the pending commit were installed.
+
+        Checkpoints write these into DeepSpeed's fields, so that another type, or DeepSpeed, continues
+        from the committed state with the right step count and learning rate. Nothing live changes.
+        """
+        progress, loss_scale = self.progress.copy(), self.loss_scale.copy()
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        scheduler_state = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+        result = self.pending_commit()
+        if result is None:
+            return progress, loss_scale, scheduler_state, lrs
+        shadow = _detached_scheduler(self.lr_scheduler, self.optimizer) if self.lr_scheduler is not None else None
+        samples = result.global_micro_batches * self.micro_batch_size if self.dynamic_accumulation else 0
+        account_commit(result, progress, loss_scale, shadow, samples_of_commit=samples,
+                       train_batch_size=self.train_batch_size, follow_samples=self.dynamic_accumulation,
+                       schedule_skipped=self.schedule_skipped_steps)
+        if shadow is not None:
+            scheduler_state = shadow.state_dict()
+            lrs = [group["lr"] for group in shadow.optimizer.param_groups]
+        return progress, loss_scale, scheduler_state, lrs
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def communicator_for_checkpoints(self) -> Communicator:
+        """The communicator over all ranks whose shards the checkpoint's vectors are."""
+        return self.communicator
+
+    def rule_state_is_sharded(self) -> bool:
+        """Whether masters and rule state are shards over all ranks (DeepSpeed's fields hold them)."""
+        return True
+
+    def checkpoint_state(self) -> CheckpointState:
+        """This rank's state after ``synchronize()`` (ShardedAdamW, DPU and ACCO; CO2 overrides)."""
+        meta = {"phase": self.phase.value, "round_micro_batches": self.round_micro_batches,
+                "round_loss_scale": self.round_loss_scale, "jobs_launched": self.jobs_launched, "pending": None}
+        local = {}
+        if self.round_micro_batches:
+            local["grad_accum"] = [flat.unpadded(flat.grad_accum).clone() for flat in self.flats]
+        if self.compression is not None:
+            local["compression"] = [compression.state_dict() for compression in self.compression]
+        sharded = {}
+        if self.running is not None:
+            result = self.running.wait()
+            meta["pending"] = {"kind": self.running_kind.value, "result": result_to_dict(result)}
+            if self.running_kind is JobKind.ESTIMATE:
+                sharded["estimate"] = [flat.shard_of(flat.gather).clone() for flat in self.flats]
+        if not self._model_holds_committed():
+            sharded["held"] = [flat.shard_of(flat.model_flat).clone() for flat in self.flats]
+        return CheckpointState(fp32_partitions=[shard.master for shard in self.shards],
+                               rule_state=[shard.state for shard in self.shards], sharded=sharded, local=local,
+                               meta=meta)
+
+    def wire_bytes_per_job(self) -> Dict[str, int]:
+        """Bytes this rank sends per update job: {"reduce_scatter": ..., "all_gather": ...} over every
+        group, compressed or not (transport headers and the statistics all-reduce left out)."""
+        return wire_bytes(self.compression, [flat.shard_numel for flat in self.flats], self.communicator.world_size,
+                          self.flats[0].job_grad.dtype, self.flats[0].model_dtype)
+
+    def _model_holds_committed(self) -> bool:
+        """Whether the model holds the committed parameters (the masters' cast, or with compressed
+        weights the copy gathered from them)."""
+        return self.running is None or self.running_kind is not JobKind.COMMIT
+
+    def load_checkpoint_state(self, state: CheckpointState, gather_full: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> None:
+        """Continue exactly from a checkpoint of this same type (``state`` re-sharded to this engine).
+
+        ``gather_full(shards)`` all-gathers one shard per group into full padded vectors (collective).
+        """
+        meta = state.meta
+        self.reset()
+        self.phase = self.Phase(meta["phase"])
+        self.jobs_launched = int(meta.get("jobs_launched", 0))
+        if meta["round_micro_batches"]:
+            self.round_micro_batches = int(meta["round_micro_batches"])
+            self.round_loss_scale = meta.get("round_loss_scale")
+            for flat, values in zip(self.flats, state.local["grad_accum"]):
+                flat.grad_accum[:flat.numel].copy_(values)
+        pending = meta["pending"]
+        if pending is not None:
+            kind = JobKind(pending["kind"])
+            if kind is JobKind.ESTIMATE:
+                outputs = gather_full(state.sharded["estimate"])
+            else:
+                # A commit's output is the committed parameters as the model will hold them, which is
+                # what the module file holds and the model holds now. (Uncompressed that is the cast of
+                # the masters; with compressed weights it is within half a quantisation step of them,
+                # and only the copy the ranks gathered continues exactly.)
+                outputs = [flat.model_flat for flat in self.flats]
+            for flat, values in zip(self.flats, outputs):
+                flat.gather.copy_(values)
+            self.running = CompletedWork(f"{kind.value} restored from a checkpoint", job_result_from_dict(pending["result"]))
+            self.running_kind = kind
+        if "held" in state.sharded:
+            for flat, values in zip(self.flats, gather_full(state.sharded["held"])):
+                flat.install(values)
+        if not load_group_compressions(self.compression, state.local.get("compression")) and self.rank == 0:
+            logger.warning("load_checkpoint: the checkpoint holds error-feedback residuals of compressed gradients, "
+                           "which this engine does not compress; they are dropped")
+        self._load_type_state(state)
+
+    def _load_type_state(self, state: CheckpointState) -> None:
+        """The type's own in-flight state beyond the base's (ACCO's kept first half)."""
 
 
-class ShardedAdamWSchedule(Schedule):
-    """Synchronous ZeRO-1 (DESIGN 3.1): one job per update, waited immediately, gathered in place."""
+class _SchedulerView:
+    """A stand-in optimizer holding copies of the param-group hyperparameters (no tensors)."""
 
-    initial_phase = Phase.SYNC
+    def __init__(self, optimizer):
+        self.param_groups = [{key: value for key, value in group.items() if key != "params"}
+                             for group in optimizer.param_groups]
+        self.defaults = dict(getattr(optimizer, "defaults", {}))
 
-    def boundary(self) -> None:
-        self._launch(JobKind.COMMIT, synchronous=True)
-        self._on_commit(self._wait_running())
-
-
-class DPUSchedule(Schedule):
-    """Delayed parameter update (DESIGN 3.2): round t computes at theta_{t-1} while theta_t is committed."""
-
-    initial_phase = Phase.DELAYED
-
-    def boundary(self) -> None:
-        result = self._wait_running()
-        if result is not None:
-            self._install_gathered()
-            self._on_commit(result)
-        self._launch(JobKind.COMMIT)
+    def step(self, closure=None):
+        raise RuntimeError("a scheduler view never steps an optimizer")
 
 
-class ACCOSchedule(Schedule):
-    """ACCO (DESIGN 3.3, 3.4): two rounds per update, estimate then commit."""
-
-    initial_phase = Phase.FIRST_HALF
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.first_half_micro_batches = 0
-        """Global micro-batch count of the first half of the update being committed."""
-
-    def boundary(self) -> None:
-        if self.phase is Phase.FIRST_HALF:
-            result = self._wait_running()
-            if result is not None:
-                self._install_gathered()
-                self._on_commit(result)
-            self._launch(JobKind.ESTIMATE, keep_first_half=True)
-            self.phase = Phase.SECOND_HALF
-        else:
-            estimate = self._wait_running()
-            self._install_gathered()
-            self.first_half_micro_batches = estimate.global_micro_batches
-            self._launch(JobKind.COMMIT, first_half_micro_batches=self.first_half_micro_batches)
-            self.phase = Phase.FIRST_HALF
+def _detached_scheduler(lr_scheduler, optimizer):
+    """A deep copy of ``lr_scheduler`` driving a :class:`_SchedulerView` instead of ``optimizer``."""
+    import copy
+    view = _SchedulerView(optimizer)
+    return copy.deepcopy(lr_scheduler, memo={id(optimizer): view})

@@ -1,0 +1,134 @@
+"""Builds everything an engine runs on: communicators, lane, schedule, LR scheduler, data, monitors.
+
+Construction is collective (process groups are created in the same order on every rank) and has
+no global side effects beyond the process groups it creates, which the engine releases in
+``destroy()``.
+"""
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import EngineConfig
+from .comm import Communicator, ControlPlane, Lane, new_communicator, new_control_plane, prepare_nccl_environment
+from .loss_scale import LossScale
+from .optimizers import lookup
+from .schedule import BuildContext, Schedule
+
+
+@dataclass
+class Parts:
+    """What :func:`build` makes for an engine."""
+
+    schedule: Schedule
+    lane: Lane
+    control: ControlPlane
+    communicators: List[Communicator]
+    lr_scheduler: Any
+    dataloader: Any
+    monitor: Any
+
+
+def broadcast_model(module: torch.nn.Module) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DeepSpeed does."""
+    if dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+def build(*, module: torch.nn.Module, param_groups: List[Dict], config: EngineConfig, device: torch.device,
+          client_lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None) -> Parts:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    timeout_s = config.params.communication_timeout_s
+    if dist.get_backend() == "nccl":
+        prepare_nccl_environment()  # before this process's first NCCL launch (broadcast_model's)
+    module.to(device=device, dtype=config.model_torch_dtype if config.precision != "fp32" else None)
+    broadcast_model(module)
+
+    communicators: List[Communicator] = []
+    # A dedicated process group for the jobs, so the training loop's own collectives never
+    # interleave with them (docs/design.md, section 6).
+    jobs = new_communicator(list(range(world_size)), timeout_s, name="acco-jobs")
+    communicators.append(jobs)
+    control = new_control_plane(timeout_s)
+    lane = Lane(rank, device, timeout_s)
+
+    def new_group_communicator(group_size: int, name: str) -> Communicator:
+        """This rank's group of consecutive ranks; every rank creates every group, in order."""
+        if group_size == 1:
+            return Communicator(group=None, rank=0, world_size=1, name=f"{name}-local")
+        mine = None
+        for first in range(0, world_size, group_size):
+            ranks = list(range(first, first + group_size))
+            communicator = new_communicator(ranks, timeout_s, name=f"{name}-{first // group_size}")
+            if rank in ranks:
+                mine = communicator
+        communicators.append(mine)
+        return mine
+
+    schedule_class = lookup(config.optimizer_type)
+    context = BuildContext(params=config.params, config=config, param_groups=param_groups, rank=rank,
+                           world_size=world_size, device=device, lane=lane, jobs_communicator=jobs, control=control,
+                           loss_scale=LossScale.from_config(config.fp16_loss_scale),
+                           new_group_communicator=new_group_communicator)
+    schedule = schedule_class.build(context)
+    lr_scheduler = make_lr_scheduler(schedule.optimizer, client_lr_scheduler, config.raw.get("scheduler"))
+    schedule.lr_scheduler = lr_scheduler
+    dataloader = None
+    if training_data is not None:
+        dataloader = make_dataloader(training_data, collate_fn, config, rank, world_size)
+    return Parts(schedule=schedule, lane=lane, control=control, communicators=communicators,
+                 lr_scheduler=lr_scheduler, dataloader=dataloader, monitor=make_monitor(config.raw))
+
+
+def make_lr_scheduler(optimizer, client_scheduler, section: Optional[Dict]):
+    """The client's scheduler (an object, or a callable taking the optimizer), else the config's."""
+    if client_scheduler is not None:
+        if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+            return client_scheduler(optimizer)
+        return client_scheduler
+    if not section:
+        return None
+    from deepspeed.runtime import lr_schedules
+    name = section.get("type")
+    params = section.get("params", {}) or {}
+    if hasattr(lr_schedules, str(name)):
+        cls = getattr(lr_schedules, name)
+    elif hasattr(torch.optim.lr_scheduler, str(name)):
+        cls = getattr(torch.optim.lr_scheduler, name)
+    else:
+        raise ValueError(f"deepspeed_acco config: scheduler.type: unknown scheduler {name!r}; use one of "
+                         f"DeepSpeed's (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) or "
+                         f"a torch.optim.lr_scheduler class name")
+    return cls(optimizer, **params)
+
+
+def make_dataloader(dataset, collate_fn, config: EngineConfig, rank: int, world_size: int):
+    """DeepSpeed's ``training_data`` loader: each rank its share, micro-batches of the configured size."""
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world_size, rank=rank)
+    return torch.utils.data.DataLoader(dataset, batch_size=config.batch.micro_batch_size, sampler=sampler,
+                                       collate_fn=collate_fn, drop_last=config.dataloader_drop_last)
+
+
+def make_monitor(raw_config: Dict):
+    from deepspeed.monitor.config import get_monitor_config
+    monitor_config = get_monitor_config(raw_config)
+    if not monitor_config.enabled:
+        return None
+    from deepspeed.monitor.monitor import MonitorMaster
+    return MonitorMaster(monitor_config)
+
+
+def device_for_backend() -> torch.device:
+    """The rank's device: its CUDA device under NCCL, else the CPU."""
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))

@@ -1,0 +1,91 @@
+"""ACCO: accumulate while you communicate, two rounds per update (docs/design.md, 3.3 and 3.4).
+
+Each update's full batch is split into halves A_t, B_t (h = gradient_accumulation_steps / 2
+micro-batches per rank each, consecutive in feeding order):
+
+  round A_t   the model holds the estimate theta~_t (theta~_0 = theta_0) and accumulates
+              g(theta~_t; A_t); the running job commits theta_t (none for t = 0).
+  boundary    wait for the commit, install theta_t; launch the estimate job
+              theta~_{t+1} = Peek(theta_t, m_t, v_t, mean of A_t): it reduces A_t, keeps the
+              reduced sum (``first_half_sum``) for the commit, and leaves m, v, t untouched.
+  round B_t   the model holds theta_t and accumulates g(theta_t; B_t) into a zeroed buffer.
+  boundary    wait for the estimate, install theta~_{t+1}; launch the commit job
+              theta_{t+1} = AdamW(theta_t, m_t, v_t, (sum A_t + sum B_t) / (|A_t| + |B_t|), t+1):
+              it reduces only B_t and adds the kept sum of A_t.
+
+Every committed update averages a full batch, half computed at the committed parameters and half
+at an estimate of them. After the step() that ends round A_{t+1} the model holds theta_{t+1}.
+With ``dynamic_accumulation`` a round ends as soon as the running job is done (and at least one
+micro-batch was fed); each job all-reduces the micro-batch count, and the mean divides by the
+global count.
+"""
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..jobs import JobKind
+from ..schedule import CheckpointState, Schedule
+from .params import AdamWParams, WarmupParams, config_error
+
+
+@dataclass(kw_only=True)
+class ACCOParams(WarmupParams, AdamWParams):
+    """Accumulate while you communicate."""
+
+    dynamic_accumulation: bool = False
+    """Keep accumulating micro-batches until the running job is done instead of waiting for it
+    (uneven hardware); the rounds then follow timing, not gradient_accumulation_steps."""
+
+
+class Phase(enum.Enum):
+    FIRST_HALF = "first_half"
+    """A_t: accumulating at theta~_t; the running job commits theta_t (none for t = 0)."""
+    SECOND_HALF = "second_half"
+    """B_t: accumulating at theta_t; the running job estimates theta~_{t+1} from A_t."""
+
+
+class ACCO(Schedule):
+    type_name = "ACCO"
+    Params = ACCOParams
+    Phase = Phase
+    rounds_per_update = 2
+
+    @classmethod
+    def validate_config(cls, params: ACCOParams, batch, world_size: int) -> None:
+        if not params.dynamic_accumulation and batch.gradient_accumulation_steps % 2:
+            raise config_error(
+                "gradient_accumulation_steps", f"ACCO splits each batch into two halves, so it must be even, got "
+                f"{batch.gradient_accumulation_steps}", "use an even number (e.g. halve train_micro_batch_size_per_gpu "
+                "and double gradient_accumulation_steps), or set optimizer.params.dynamic_accumulation to true")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first_half_sum = [torch.zeros_like(shard.grad) for shard in self.shards]
+        """Per group, the reduced and unscaled gradient sum of A_t, kept for the commit of update t."""
+
+    def boundary(self) -> None:
+        if self.phase is Phase.FIRST_HALF:
+            result = self._wait_running()
+            if result is not None:
+                self._install_gathered()
+                self._account_commit(result)
+            self._launch(JobKind.ESTIMATE, keep_reduced=self.first_half_sum)
+            self.phase = Phase.SECOND_HALF
+        else:
+            estimate = self._wait_running()
+            self._install_gathered()
+            self._launch(JobKind.COMMIT, carried=self.first_half_sum,
+                         carried_micro_batches=estimate.global_micro_batches)
+            self.phase = Phase.FIRST_HALF
+
+    def checkpoint_state(self) -> CheckpointState:
+        state = super().checkpoint_state()
+        if self.phase is Phase.SECOND_HALF:
+            state.sharded["first_half_sum"] = [values.clone() for values in self.first_half_sum]
+        return state
+
+    def _load_type_state(self, state: CheckpointState) -> None:
+        if self.phase is Phase.SECOND_HALF:
+            for target, values in zip(self.first_half_sum, state.sharded["first_half_sum"]):
+                target.copy_(values)

@@ -1,0 +1,169 @@
+"""``optimizer.params`` of the DeepSpeed config: parsed from a type's kw_only dataclass.
+
+Each optimizer type declares its params as a kw_only dataclass whose fields carry the names,
+defaults and types (``float``, ``int``, ``bool``, ``Tuple[float, float]``, ``Optional[float]``,
+``Union[float, str]`` or ``str`` with the allowed words in the field's ``choices`` metadata) and a
+docstring per field naming the paper's symbol; :func:`parse_params` checks a JSON object against
+it, and the class's ``validate()`` checks ranges. Every mistake raises ``ValueError`` naming the
+key and the fix.
+"""
+import math
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Dict, Tuple
+
+from ...ops import quantization
+
+DEFAULT_COMMUNICATION_TIMEOUT_S = 300.0
+
+
+def config_error(key: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"deepspeed_acco config: {key}: {problem}; {fix}")
+
+
+def number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise config_error(key, f"expected a finite number, got {value!r}", "set it to a number")
+    return float(value)
+
+
+def integer(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise config_error(key, f"expected an integer, got {value!r}", "set it to an integer")
+    return value
+
+
+def boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise config_error(key, f"expected true or false, got {value!r}", "set it to a JSON boolean")
+    return value
+
+
+def _parse_value(key: str, annotation, value: Any, choices: Tuple[str, ...]):
+    if isinstance(value, str) and value in choices:
+        return value
+    origin = typing.get_origin(annotation)
+    arguments = typing.get_args(annotation)
+    if annotation is float:
+        return number(key, value)
+    if annotation is int:
+        return integer(key, value)
+    if annotation is bool:
+        return boolean(key, value)
+    if annotation is str:
+        raise config_error(key, f"expected one of {list(choices)}, got {value!r}", f"use one of {list(choices)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(arguments):
+            raise config_error(key, f"expected a list of {len(arguments)} numbers, got {value!r}",
+                               "set e.g. [0.9, 0.999]")
+        return tuple(_parse_value(key, item_type, item, ()) for item_type, item in zip(arguments, value))
+    if origin is typing.Union:
+        if value is None and type(None) in arguments:
+            return None
+        concrete = [a for a in arguments if a not in (type(None), str)]
+        if len(concrete) == 1:
+            try:
+                return _parse_value(key, concrete[0], value, ())
+            except ValueError:
+                allowed = [repr(c) for c in choices] + (["null"] if type(None) in arguments else [])
+                raise config_error(key, f"expected a number{' or ' + ' or '.join(allowed) if allowed else ''}, "
+                                   f"got {value!r}", "fix the value") from None
+    raise TypeError(f"params field {key} has an annotation the parser does not know: {annotation!r}")
+
+
+def parse_params(cls, raw: Dict[str, Any], type_name: str, prefix: str = "optimizer.params"):
+    """An instance of the params dataclass ``cls`` from the JSON object ``raw`` (validated)."""
+    if not isinstance(raw, dict):
+        raise config_error(prefix, f"expected an object, got {raw!r}", "give the parameters as a JSON object")
+    known = {item.name: item for item in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise config_error(f"{prefix}.{unknown[0]}", f"unknown parameter for optimizer type {type_name!r}",
+                           f"remove it; {type_name} accepts {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in raw.items():
+        choices = tuple(known[key].metadata.get("choices", ()))
+        values[key] = _parse_value(f"{prefix}.{key}", hints[key], value, choices)
+    parsed = cls(**values)
+    parsed.validate(prefix)
+    return parsed
+
+
+def defaults_of(cls) -> Dict[str, Any]:
+    """Field name -> default of a params dataclass (for documentation and tests)."""
+    return {item.name: item.default for item in fields(cls) if item.default is not MISSING}
+
+
+@dataclass(kw_only=True)
+class PipelineParams:
+    """Switches of the communication pipeline that every optimizer type has."""
+
+    overlap: bool = True
+    """Run communication jobs on the lane while the model computes. ``False`` runs each job
+    synchronously with identical math (for debugging and tests)."""
+    communication_timeout_s: float = DEFAULT_COMMUNICATION_TIMEOUT_S
+    """How long a collective may take before the job fails with a message naming it (dead peers)."""
+    quantization_bits: int = quantization.BITS[0]
+    """Bits per value of compressed communication (``zero_optimization.zero_quantized_gradients`` /
+    ``zero_quantized_weights``): 8 (int8 codes) or 4 (int4 codes)."""
+    quantization_block_size: int = quantization.DEFAULT_BLOCK_SIZE
+    """Values that share one fp32 scale in compressed communication: a power of two in [32, 512]."""
+
+    def validate(self, prefix: str) -> None:
+        """Range checks (the types were checked by :func:`parse_params`)."""
+        if self.communication_timeout_s <= 0:
+            raise config_error(f"{prefix}.communication_timeout_s", f"must be > 0, got {self.communication_timeout_s}",
+                               f"use e.g. {DEFAULT_COMMUNICATION_TIMEOUT_S}")
+        if self.quantization_bits not in quantization.BITS:
+            raise config_error(f"{prefix}.quantization_bits", f"must be 8 or 4, got {self.quantization_bits}",
+                               "use 8 (int8, 3.9x fewer bytes than fp32) or 4 (int4, 7.5x)")
+        block_size = self.quantization_block_size
+        power_of_two = block_size & (block_size - 1) == 0
+        if not (quantization.MIN_BLOCK_SIZE <= block_size <= quantization.MAX_BLOCK_SIZE and power_of_two):
+            raise config_error(f"{prefix}.quantization_block_size", f"must be a power of two in "
+                               f"[{quantization.MIN_BLOCK_SIZE}, {quantization.MAX_BLOCK_SIZE}], got {block_size}",
+                               f"use e.g. {quantization.DEFAULT_BLOCK_SIZE}")
+
+
+@dataclass(kw_only=True)
+class AdamWParams(PipelineParams):
+    """AdamW hyperparameters shared by our types (``torch.optim.AdamW`` defaults)."""
+
+    lr: float = 1e-3
+    """Learning rate (the scheduler, if any, overrides it per update)."""
+    betas: Tuple[float, float] = (0.9, 0.999)
+    """(beta1, beta2): decay rates of the first and second moment estimates."""
+    eps: float = 1e-8
+    """Term added to the denominator for numerical stability."""
+    weight_decay: float = 1e-2
+    """Decoupled weight decay coefficient."""
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.lr <= 0:
+            raise config_error(f"{prefix}.lr", f"must be > 0, got {self.lr}", "set a positive learning rate, e.g. 1e-3")
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise config_error(f"{prefix}.betas", f"each beta must lie in [0, 1), got {list(self.betas)}",
+                               "use e.g. [0.9, 0.999]")
+        if self.eps <= 0:
+            raise config_error(f"{prefix}.eps", f"must be > 0, got {self.eps}", "use e.g. 1e-8")
+        if self.weight_decay < 0:
+            raise config_error(f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}",
+                               "use 0 to disable weight decay")
+
+
+@dataclass(kw_only=True)
+class WarmupParams:
+    """Synchronous warm-up for the overlapped types (DPU, ACCO, CO2)."""
+
+    warmup_sync_updates: int = 0
+    """The first N committed updates are synchronous ZeRO-1 AdamW updates (ShardedAdamW's); the type's
+    own rule takes over after them from the committed parameters, without a restart (optimizer
+    state, step count and LR schedule carry on). 0: no warm-up."""
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.warmup_sync_updates < 0:
+            raise config_error(f"{prefix}.warmup_sync_updates", f"must be >= 0, got {self.warmup_sync_updates}",
+                               "use 0 for no warm-up, or the number of synchronous updates to start with")
