@@ -223,13 +223,13 @@ def run(args) -> Dict:
     from deepspeed_acco.bench.data import load_corpus
     from deepspeed_acco.bench.methods import warmup_decay_lr
     from deepspeed_acco.bench.models import build_model
-    from deepspeed_acco.bench.train import eval_updates
 
     torch.set_num_threads(args.threads)
     corpus = load_corpus(None)
     initial_state = build_model(args.model, args.ctx, args.seed).state_dict()
     evaluator = Evaluator(args, corpus)
-    to_eval = set(eval_updates(args.updates, args.eval_points))
+    points = max(1, int(args.eval_points))  # evenly spaced, 0 (the initial weights) included
+    to_eval = {round(i * args.updates / points) for i in range(points + 1)}
     W = args.world_size
     if args.method == "zero1":
         replicas = [Replica(args, list(range(W)), corpus, initial_state)]
