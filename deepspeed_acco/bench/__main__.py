@@ -454,14 +454,7 @@ def main(argv=None) -> int:
     def collect(run_dir, method, label, bps, seed, rep):
         meta["runs"].append(dict(dir=os.path.relpath(run_dir, out), method=method, bandwidth=label, bps=bps,
                                  seed=seed, rep=rep))
-        r = report.load_run(run_dir, method, label, bps, seed=seed)
-        key = (method, label, seed)
-        if key in by_key:
-            by_key[key].reps.append(r)
-        else:
-            by_key[key] = r
-            results.append(r)
-        return r
+        return report.add_run(results, by_key, report.load_run(run_dir, method, label, bps, seed=seed))
 
     try:
         for rep in range(args.repeat):

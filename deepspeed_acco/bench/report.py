@@ -202,6 +202,18 @@ def _median(values: Sequence[float]) -> float:
     return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
+def add_run(results: List[RunResult], by_key: Dict, r: RunResult) -> RunResult:
+    """Append ``r`` to ``results``, or, if a run of the same method, link and seed is there already
+    (``--repeat``), to that run's repetitions. Returns ``r``."""
+    key = (r.method, r.bandwidth, r.seed)
+    if key in by_key:
+        by_key[key].reps.append(r)
+    else:
+        by_key[key] = r
+        results.append(r)
+    return r
+
+
 def load_run(run_dir: str, method: str, bandwidth: str = "", bps: Optional[float] = None, seed: int = 0) -> RunResult:
     rows, summaries, val_by_rank = {}, {}, {}
     for path in sorted(glob.glob(os.path.join(run_dir, "rank*.summary.json"))):

@@ -45,12 +45,7 @@ def replot(out: str) -> int:
         except FileNotFoundError:
             failed.append(f"{method}@{label}")
             return
-        key = (method, label, seed)
-        if key in by_key:
-            by_key[key].reps.append(r)
-        else:
-            by_key[key] = r
-            results.append(r)
+        report.add_run(results, by_key, r)
 
     if meta.get("runs"):  # the bench lists every run it collected
         for run in meta["runs"]:
