@@ -180,3 +180,29 @@ def test_co2_options_and_defaults_match_simulation():
         assert torch.equal(rank_result[("eager-h1", 1, True)]["holds"], rank_result[("eager-h1", 1, False)]["holds"])
     # Eager replicas keep their own progress: the two ranks hold different parameters mid-training.
     assert not torch.equal(results[0][("eager-h1", 1, True)]["holds"], results[1][("eager-h1", 1, True)]["holds"])
+
+
+def test_outer_wait_monitor_warns_once_after_consecutive_unhidden_rounds():
+    from deepspeed_acco.runtime.optimizers.co2 import OuterWaitMonitor
+    now = [0.0]
+    monitor = OuterWaitMonitor("local_steps", 4, clock=lambda: now[0])
+
+    def round_of(seconds, waited):
+        now[0] += seconds
+        return monitor.record(waited)
+
+    assert round_of(1.0, 0.5) is None  # the first boundary only starts the clock
+    assert [round_of(1.0, 0.01) for _ in range(5)] == [None] * 5  # hidden: 1% of each round
+    assert round_of(1.0, 0.5) is None and round_of(1.0, 0.5) is None
+    assert round_of(1.0, 0.0) is None  # a hidden round resets the count
+    assert round_of(1.0, 0.5) is None and round_of(1.0, 0.5) is None
+    message = round_of(1.0, 0.5)
+    assert message is not None and "optimizer.params.local_steps (now 4)" in message
+    assert round_of(1.0, 0.9) is None  # once
+    eager = OuterWaitMonitor("anchor_merge_steps", 1, clock=lambda: now[0])
+    assert eager.record(0.0) is None
+    messages = []
+    for _ in range(3):
+        now[0] += 2.0
+        messages.append(eager.record(1.0))
+    assert messages[:2] == [None, None] and "optimizer.params.anchor_merge_steps (now 1)" in messages[2]

@@ -5,6 +5,8 @@
 - The wait per round that ``wall_clock_breakdown`` reports is the mean over round boundaries: one
   wait per boundary for ShardedAdamW and for ``overlap: false``, not two (which halves it).
 - A CO2 outer round skipped for non-finite values is logged, like a skipped update.
+- When CO2's outer averaging is not hidden behind its rounds, the log says so once and names the
+  key to raise (the unit cases of that rule are in test_co2.py).
 
 One two-rank job runs every case; rank 1 computes slower, so rank 0 waits for it at every
 synchronisation, and the size of rank 0's waits is known.
@@ -40,6 +42,8 @@ CASES = {
     "co2-group": (make_config("CO2", group_size=2, local_steps=2), ACCUMULATION, None),
     # Outer job 1 reduce-scatters two parameter groups: calls 2 and 3.
     "co2-outer-skip": (make_config("CO2", local_steps=2), ACCUMULATION, 2),
+    # One inner step per round: rank 0 waits for the slow rank at every outer boundary.
+    "co2-not-hidden": (make_config("CO2", local_steps=1), ACCUMULATION, None),
 }
 
 
@@ -139,3 +143,10 @@ def test_skipped_co2_outer_round_is_logged(results):
     assert result["outer_skips"] == 1, "the injected non-finite mean did not skip an outer round"
     skips = [m for m in result["messages"] if "skip" in m.lower() and re.search(r"outer|averag|anchor", m.lower())]
     assert skips, f"no log message reports the skipped outer round: {result['messages'][-5:]}"
+
+
+@pytest.mark.slow
+def test_co2_outer_averaging_not_hidden_is_logged_once(results):
+    messages = [m for m in get(results, "co2-not-hidden")["messages"] if "not hidden" in m]
+    assert len(messages) == 1, f"expected one warning that the outer averaging is not hidden, got {messages}"
+    assert "optimizer.params.local_steps (now 1)" in messages[0], messages[0]

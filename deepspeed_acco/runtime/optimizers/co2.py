@@ -21,6 +21,7 @@ Gap penalty lambda: a constant, or adaptive: 1 + ||x_{k+1} - x_k|| / (max_i ||y^
 """
 import enum
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -114,6 +115,41 @@ class CO2Params(WarmupParams, AdamWParams):
             logger.warning("deepspeed_acco config: %s: outer_lr / gap_penalty = %.3g is outside the stable range "
                            "(< %.3g) of the CO2 outer iteration applied %s; expect the anchor to oscillate instead "
                            "of converging (docs/co2_convergence.md)", prefix, ratio, bound, rule)
+
+
+class OuterWaitMonitor:
+    """Tells the user once when the outer averaging is not hidden behind the inner steps.
+
+    CO2 hides one averaging behind ``local_steps`` inner steps (behind ``anchor_merge_steps`` in
+    eager mode). When the link is slower than that, every boundary waits and training runs at the
+    network's pace without saying so; this warns after ``patience`` consecutive rounds in which the
+    wait took more than ``threshold`` of the round's wall-clock, naming the key to raise.
+    """
+
+    def __init__(self, key: str, value: int, *, threshold: float = 0.1, patience: int = 3, clock=time.perf_counter):
+        self.key, self.value = key, value
+        self.threshold, self.patience, self.clock = threshold, patience, clock
+        self.round_started: Optional[float] = None
+        self.consecutive = 0
+        self.warned = False
+
+    def record(self, waited_s: float) -> Optional[str]:
+        """One outer wait (seconds) at the end of a round; returns the warning when it is given."""
+        now = self.clock()
+        started, self.round_started = self.round_started, now
+        if started is None or self.warned:
+            return None
+        round_s = max(now - started, 1e-9)
+        self.consecutive = self.consecutive + 1 if waited_s > self.threshold * round_s else 0
+        if self.consecutive < self.patience:
+            return None
+        self.warned = True
+        message = (f"CO2: the outer averaging was not hidden in {self.patience} consecutive rounds (the last one "
+                   f"waited {waited_s:.2f} s of {round_s:.2f} s): training runs at the link's pace; raise "
+                   f"optimizer.params.{self.key} (now {self.value}) so that one averaging fits under it, or "
+                   f"compress it (zero_quantized_weights)")
+        logger.warning(message)
+        return message
 
 
 class Phase(enum.Enum):
@@ -316,6 +352,8 @@ class CO2(Schedule):
         """Outer boundaries passed (k after boundary k - 1)."""
         self.outer_skips = 0
         self.merge_steps = self.params.anchor_merge_steps
+        self.outer_wait_monitor = (OuterWaitMonitor("local_steps", self.params.local_steps) if self.merge_steps is None
+                                   else OuterWaitMonitor("anchor_merge_steps", self.merge_steps))
         self.boundary_masters: Optional[List[torch.Tensor]] = None
         """Eager mode: y_k on this rank's inner shards, kept from boundary k until J_k is merged."""
         self.round_lr_sums = [0.0] * len(self.flats)
@@ -349,7 +387,13 @@ class CO2(Schedule):
 
     def _outer_boundary(self) -> None:
         eager = self.merge_steps is not None
-        outer = None if eager else self._wait_running()  # eager mode merged J_{k-1} already
+        if eager:
+            outer = None  # eager mode merged J_{k-1} already
+        else:
+            started = time.perf_counter()
+            outer = self._wait_running()
+            if outer is not None:
+                self.outer_wait_monitor.record(time.perf_counter() - started)
         self._log_skip(outer)
         displacement_sq = torch.zeros((), dtype=torch.float64, device=self.flats[0].device)
         with torch.no_grad():
@@ -379,7 +423,9 @@ class CO2(Schedule):
     def _merge(self) -> None:
         """Eager mode, H inner steps after boundary k: every replica moves to x_{k+1} plus its own
         progress since the boundary (after a skipped round, back to the anchor)."""
+        started = time.perf_counter()
         outer = self._wait_running()
+        self.outer_wait_monitor.record(time.perf_counter() - started)
         self._log_skip(outer)
         with torch.no_grad():
             for flat, state, shard, at_boundary in zip(self.flats, self.outers, self.shards, self.boundary_masters):
