@@ -364,15 +364,19 @@ def run(args) -> Dict:
                 wall_s=time.perf_counter() - t0)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run_and_write(args, run_fn) -> int:
+    """Run one study (``run_fn(args)`` returns a JSON-able dict) and write it to ``args.out``."""
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    result = run(args)
+    result = run_fn(args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def main(argv=None):
+    return run_and_write(parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,193 @@
+"""Single-process study of ACCO's rule (docs/design.md 3.3) against data-parallel AdamW on the bench's setting.
+
+One GPT-Neo preset trained on exactly the micro-batches, learning-rate schedule, clipping and
+initial weights of the bench's W ranks (``deepspeed_acco/bench``), with AdamW written out on one
+flat fp32 vector (torch.optim.AdamW semantics), so that the only difference between the methods
+is where each half of the batch's gradient is computed. Nothing from ``deepspeed_acco.runtime``
+or ``ops`` is used: an independent check of the engine's long-run behaviour, and a fast way to
+test a hypothesis about ACCO's gap on long schedules.
+
+Methods (``--method``), each update t taking every rank's next ``--grad-accum`` micro-batches,
+split into the first half A_t and the second half B_t:
+
+* ``zero1``: theta_{t+1} = AdamW(theta_t, mean g(theta_t; A_t + B_t));
+* ``acco``: A_t at the estimate theta~_t, B_t at theta_t,
+  theta~_{t+1} = Peek(theta_t, m_t, v_t, mean g(theta~_t; A_t)) (AdamW on copies),
+  theta_{t+1} = AdamW(theta_t, mean of both halves) (DESIGN 3.3);
+* ``stale-half``: A_t at theta_{t-1} instead of an estimate (what ACCO's Peek improves on: half
+  the batch one update stale, as DPU makes all of it).
+
+Prints the validation loss at ``--eval-points`` updates and, per update, the distance of the
+estimate from the parameters it estimates (``acco``). Writes one JSON file (``--out``).
+
+    python benchmarks/acco_study.py --method acco --ctx 64 --updates 720 --out acco.json
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from co2_study import CLIP_EPSILON, Evaluator, copy_into, run_and_write  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--method", choices=["zero1", "acco", "stale-half"], required=True)
+    p.add_argument("--model", default="3m")
+    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per rank per update (even)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--updates", type=int, default=720)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true",
+                   help="compute the gradients with the model in bf16 (the masters, moments and sums stay fp32)")
+    p.add_argument("--eval-points", type=int, default=12)
+    p.add_argument("--val-windows", type=int, default=40, help="the bench's default")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.grad_accum % 2:
+        p.error("--grad-accum must be even (ACCO's two halves)")
+    return args
+
+
+class FlatAdamW:
+    """torch.optim.AdamW on one flat fp32 vector (decoupled decay, bias correction)."""
+
+    def __init__(self, args, theta):
+        import torch
+        self.args = args
+        self.theta = theta
+        self.m = torch.zeros_like(theta)
+        self.v = torch.zeros_like(theta)
+        self.step_count = 0
+
+    def _apply(self, theta, m, v, grad, step, lr):
+        b1, b2 = self.args.betas
+        theta.mul_(1 - lr * self.args.weight_decay)
+        m.mul_(b1).add_(grad, alpha=1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        denom = (v / (1 - b2 ** step)).sqrt_().add_(self.args.eps)
+        theta.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
+
+    def step(self, grad, lr):
+        self.step_count += 1
+        self._apply(self.theta, self.m, self.v, grad, self.step_count, lr)
+
+    def peek(self, grad, lr):
+        theta = self.theta.clone()
+        self._apply(theta, self.m.clone(), self.v.clone(), grad, self.step_count + 1, lr)
+        return theta
+
+
+class Model:
+    """The bench's model and every rank's micro-batch stream; gradients at any flat vector."""
+
+    def __init__(self, args, corpus):
+        import torch
+        from deepspeed_acco.bench.data import WindowSampler
+        from deepspeed_acco.bench.models import build_model
+        self.torch = torch
+        self.args = args
+        self.model = build_model(args.model, args.ctx, args.seed)
+        if args.bf16:
+            self.model.to(torch.bfloat16)
+        self.model.train()
+        self.params = list(self.model.parameters())
+        self.samplers = [WindowSampler(corpus.train, args.ctx, args.micro_batch, seed=args.seed, rank=r)
+                         for r in range(args.world_size)]
+        self.cursor = [0] * args.world_size
+
+    def flat(self):
+        return self.torch.nn.utils.parameters_to_vector(self.params).detach().clone()
+
+    def gradient_sum(self, at, micro_batches_per_rank: int):
+        """Sum of the gradients of every rank's next micro-batches at ``at``; count; mean loss."""
+        torch = self.torch
+        copy_into(at, self.params)
+        for p in self.params:
+            p.grad = None
+        losses = []
+        grad = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
+        for rank, sampler in enumerate(self.samplers):
+            for _ in range(micro_batches_per_rank):
+                x = torch.from_numpy(sampler.micro_batch_at(self.cursor[rank]))
+                self.cursor[rank] += 1
+                loss = self.model(input_ids=x, labels=x).loss
+                loss.backward()
+                losses.append(float(loss.detach()))
+                # Each micro-batch's gradient (bf16 with --bf16) into an fp32 sum, as the engine does.
+                grad += torch.nn.utils.parameters_to_vector([p.grad for p in self.params]).float()
+                for p in self.params:
+                    p.grad = None
+        return grad, len(losses), sum(losses) / len(losses)
+
+
+def clipped_mean(args, total, count):
+    """As the engine: divide by the count, clip by the norm of that mean (torch's epsilon)."""
+    mean = total / count
+    norm = float(mean.norm())
+    if args.clip > 0 and norm > args.clip:
+        mean.mul_(args.clip / (norm + CLIP_EPSILON))
+    return mean
+
+
+def run(args):
+    import torch
+    from deepspeed_acco.bench.data import load_corpus
+    from deepspeed_acco.bench.methods import warmup_decay_lr
+
+    torch.set_num_threads(args.threads)
+    corpus = load_corpus(None)
+    model = Model(args, corpus)
+    evaluator = Evaluator(args, corpus)
+    opt = FlatAdamW(args, model.flat())
+    points = max(1, int(args.eval_points))
+    to_eval = {round(i * args.updates / points) for i in range(points + 1)}
+    half = args.grad_accum // 2
+    estimate = opt.theta.clone()  # theta~_0 = theta_0
+    previous = opt.theta.clone()  # theta_{t-1} (stale-half)
+    evals, estimate_error, train_losses = {}, [], []
+    t0 = time.perf_counter()
+    for update in range(args.updates + 1):
+        if update in to_eval:
+            evals[str(update)] = evaluator(opt.theta)
+            if not args.quiet:
+                print(f"eval @{update}: {evals[str(update)]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if update == args.updates:
+            break
+        lr = warmup_decay_lr(update, args.lr, args.warmup, args.updates)
+        at_first = {"zero1": opt.theta, "acco": estimate, "stale-half": previous}[args.method]
+        first, first_count, loss_a = model.gradient_sum(at_first, half)
+        second, second_count, loss_b = model.gradient_sum(opt.theta, half)
+        train_losses.append((loss_a + loss_b) / 2)
+        if args.method == "acco":
+            next_estimate = opt.peek(clipped_mean(args, first, first_count), lr)
+        previous = opt.theta.clone()
+        opt.step(clipped_mean(args, first + second, first_count + second_count), lr)
+        if args.method == "acco":
+            estimate = next_estimate
+            estimate_error.append(dict(update=update + 1, lr=lr, error=float((estimate - opt.theta).norm()),
+                                       step=float((opt.theta - previous).norm())))
+    return dict(args=vars(args), evals=evals, train_losses=train_losses, estimate_error=estimate_error,
+                wall_s=time.perf_counter() - t0)
+
+
+def main(argv=None):
+    return run_and_write(parse_args(argv), run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

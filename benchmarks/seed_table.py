@@ -1,0 +1,96 @@
+"""Validation-loss tables over seeds from the bench's ``steps.csv`` files of several run folders.
+
+The bench writes one ``steps.csv`` per invocation (rank 0's ``val_loss`` at every evaluation); runs
+of one schedule made by separate invocations (one seed, or some methods, at a time) are combined
+here: per method, the mean [min, max] over seeds at every evaluation, the relative gap to the
+baseline *of the same seed* at the chosen updates, whether the loss decreased at every evaluation,
+and at how many evaluations it was above the lone replica (the compute-only run) of the same seed.
+
+    python benchmarks/seed_table.py docs/results/conv720 docs/results/conv720_seed1 --gaps 300,720
+"""
+import argparse
+import csv
+import os
+import sys
+from collections import defaultdict
+from typing import Dict, List
+
+LABELS = {"compute": "lone replica (no communication)", "zero1": "DeepSpeed ZeRO-1", "acco": "ACCO",
+          "co2": "CO2 (defaults)", "co2+eager": "CO2, `anchor_merge_steps` 1", "sharded": "ShardedAdamW",
+          "dpu": "DPU"}
+
+
+def load(folders: List[str]) -> Dict[str, Dict[int, Dict[int, float]]]:
+    """method -> seed -> update -> rank 0's validation loss (the first folder that has it wins)."""
+    curves: Dict[str, Dict[int, Dict[int, float]]] = defaultdict(dict)
+    for folder in folders:
+        found: Dict[tuple, Dict[int, float]] = defaultdict(dict)
+        with open(os.path.join(folder, "steps.csv")) as f:
+            for row in csv.DictReader(f):
+                if row["rank"] != "0" or not row["val_loss"]:
+                    continue
+                found[(row["method"], int(row["seed"]))][int(row["update"])] = float(row["val_loss"])
+        for (method, seed), curve in found.items():
+            curves[method].setdefault(seed, curve)
+    return curves
+
+
+def fmt(values: List[float], digits: int = 3, percent: bool = False) -> str:
+    if not values:
+        return "-"
+    f = (lambda v: f"{v:+.1f}%") if percent else (lambda v: f"{v:.{digits}f}")
+    mean = sum(values) / len(values)
+    return f(mean) if len(values) == 1 else f"{f(mean)} [{f(min(values))}, {f(max(values))}]"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folders", nargs="+", help="bench output folders (each with a steps.csv)")
+    p.add_argument("--baseline", default="zero1")
+    p.add_argument("--gaps", default="", help="updates at which to report the gap to the baseline (default: the last)")
+    p.add_argument("--columns", default="", help="updates to show as columns (default: every evaluation)")
+    p.add_argument("--methods", default="", help="comma-separated, in this order (default: all found)")
+    args = p.parse_args(argv)
+    curves = load(args.folders)
+    methods = [m for m in args.methods.split(",") if m] or sorted(curves, key=lambda m: list(LABELS).index(m)
+                                                                 if m in LABELS else len(LABELS))
+    missing = [m for m in methods if m not in curves]
+    if missing:
+        p.error(f"no runs of {', '.join(missing)} in these folders")
+    updates = sorted({u for m in methods for c in curves[m].values() for u in c if u > 0})
+    columns = [int(u) for u in args.columns.split(",") if u] or updates
+    gaps = [int(u) for u in args.gaps.split(",") if u] or [updates[-1]]
+    base, lone = curves.get(args.baseline, {}), curves.get("compute", {})
+    head = ["method", "seeds"] + [f"@{u}" for u in columns] + [f"vs {args.baseline} @{u}" for u in gaps] + \
+        ["decreasing at every evaluation", "evaluations above the lone replica"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for m in methods:
+        seeds = sorted(curves[m])
+        cells = [LABELS.get(m, m), ",".join(map(str, seeds))]
+        for u in columns:
+            cells.append(fmt([curves[m][s][u] for s in seeds if u in curves[m][s]]))
+        for u in gaps:
+            rel = [100 * (curves[m][s][u] / base[s][u] - 1) for s in seeds
+                   if m != args.baseline and s in base and u in base[s] and u in curves[m][s]]
+            cells.append(fmt(rel, percent=True) if rel else "")
+        decreasing = sum(all(b < a for a, b in zip([c[u] for u in sorted(c)], [c[u] for u in sorted(c)][1:]))
+                         for c in (curves[m][s] for s in seeds))
+        cells.append(f"{decreasing} of {len(seeds)}")
+        if m == "compute":
+            cells.append("")
+        else:
+            above = []
+            for s in seeds:
+                if s not in lone:
+                    above.append(f"seed {s}: no lone run")
+                    continue
+                worse = [u for u in sorted(curves[m][s]) if u > 0 and u in lone[s] and curves[m][s][u] > lone[s][u]]
+                above.append(f"{len(worse)}" + (f" ({','.join(map(str, worse))})" if worse else ""))
+            cells.append("; ".join(above))
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

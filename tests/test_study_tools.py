@@ -1,0 +1,65 @@
+"""benchmarks/acco_study.py and benchmarks/seed_table.py on the tiny preset / on small CSVs."""
+import csv
+import importlib.util
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = ["--model", "tiny", "--ctx", "32", "--updates", "6", "--eval-points", "6", "--val-windows", "4", "--quiet"]
+
+
+def _evals(method, extra=()):
+    study = _load("acco_study")
+    result = study.run(study.parse_args(["--method", method] + TINY + list(extra)))
+    return [v for _, v in sorted(result["evals"].items(), key=lambda kv: int(kv[0]))], result
+
+
+def test_acco_study_zero1_is_the_co2_study_zero1_and_acco_departs_after_one_update():
+    zero1, _ = _evals("zero1")
+    co2_study = _load("co2_study")
+    other = co2_study.run(co2_study.parse_args(["--method", "zero1"] + TINY))
+    assert zero1 == pytest.approx([v["committed"] for _, v in sorted(other["evals"].items(),
+                                                                        key=lambda kv: int(kv[0]))], abs=1e-5)
+    acco, result = _evals("acco")
+    stale, _ = _evals("stale-half")
+    # theta~_0 = theta_0 = theta_{-1}: the first update is ZeRO-1's for every rule; later ones are not.
+    assert acco[:2] == pytest.approx(zero1[:2], abs=1e-6) and stale[:2] == pytest.approx(zero1[:2], abs=1e-6)
+    assert acco[-1] != pytest.approx(zero1[-1], abs=1e-6) and stale[-1] != pytest.approx(acco[-1], abs=1e-6)
+    errors = result["estimate_error"]
+    assert len(errors) == 6 and all(e["error"] > 0 and e["step"] > 0 for e in errors)
+
+
+def _write_steps(folder, rows):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "steps.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["bandwidth", "method", "seed", "rank", "update", "val_loss"])
+        for method, seed, update, loss in rows:
+            writer.writerow(["unshaped", method, seed, 0, update, loss])
+            writer.writerow(["unshaped", method, seed, 1, update, loss + 1])  # rank 1 is never read
+
+
+def test_seed_table_gaps_per_seed_ranges_and_lone_replica(tmp_path, capsys):
+    _write_steps(tmp_path / "a", [("zero1", 0, 0, 5.0), ("zero1", 0, 10, 2.0), ("zero1", 0, 20, 1.0),
+                                  ("compute", 0, 0, 5.0), ("compute", 0, 10, 2.1), ("compute", 0, 20, 1.5),
+                                  ("co2", 0, 0, 5.0), ("co2", 0, 10, 2.2), ("co2", 0, 20, 1.1)])
+    _write_steps(tmp_path / "b", [("zero1", 1, 0, 5.0), ("zero1", 1, 10, 2.0), ("zero1", 1, 20, 2.0),
+                                  ("co2", 1, 0, 5.0), ("co2", 1, 10, 2.5), ("co2", 1, 20, 2.6),
+                                  ("co2", 0, 20, 9.9)])  # a second run of seed 0: the first folder wins
+    assert _load("seed_table").main([str(tmp_path / "a"), str(tmp_path / "b"), "--methods", "zero1,co2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    co2 = next(line for line in lines if line.startswith("| CO2"))
+    cells = [c.strip() for c in co2.strip("|").split("|")]
+    # seeds, @10, @20, gap @20 (seed 0: +10%, seed 1: +30%), decreasing, above the lone replica
+    assert cells[1:] == ["0,1", "2.350 [2.200, 2.500]", "1.850 [1.100, 2.600]", "+20.0% [+10.0%, +30.0%]",
+                         "1 of 2", "1 (10); seed 1: no lone run"]
