@@ -117,8 +117,6 @@ class Model:
         """Sum of the gradients of every rank's next micro-batches at ``at``; count; mean loss."""
         torch = self.torch
         copy_into(at, self.params)
-        for p in self.params:
-            p.grad = None
         losses = []
         grad = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
         for rank, sampler in enumerate(self.samplers):

@@ -74,8 +74,8 @@ def main(argv=None) -> int:
             rel = [100 * (curves[m][s][u] / base[s][u] - 1) for s in seeds
                    if m != args.baseline and s in base and u in base[s] and u in curves[m][s]]
             cells.append(fmt(rel, percent=True) if rel else "")
-        decreasing = sum(all(b < a for a, b in zip([c[u] for u in sorted(c)], [c[u] for u in sorted(c)][1:]))
-                         for c in (curves[m][s] for s in seeds))
+        ordered = [[curves[m][s][u] for u in sorted(curves[m][s])] for s in seeds]
+        decreasing = sum(all(b < a for a, b in zip(losses, losses[1:])) for losses in ordered)
         cells.append(f"{decreasing} of {len(seeds)}")
         if m == "compute":
             cells.append("")

@@ -387,13 +387,7 @@ class CO2(Schedule):
 
     def _outer_boundary(self) -> None:
         eager = self.merge_steps is not None
-        if eager:
-            outer = None  # eager mode merged J_{k-1} already
-        else:
-            started = time.perf_counter()
-            outer = self._wait_running()
-            if outer is not None:
-                self.outer_wait_monitor.record(time.perf_counter() - started)
+        outer = None if eager else self._wait_outer()  # eager mode merged J_{k-1} already
         self._log_skip(outer)
         displacement_sq = torch.zeros((), dtype=torch.float64, device=self.flats[0].device)
         with torch.no_grad():
@@ -420,12 +414,19 @@ class CO2(Schedule):
         self._submit(job, self.outer_communicator, f"CO2 outer averaging of round {self.outer_rounds}", wait=False)
         self.outer_rounds += 1
 
+    def _wait_outer(self):
+        """Wait for the running outer job (if any); its blocked time, which the schedule's ``_wait``
+        already measures, goes to the monitor that says when the averaging is not hidden."""
+        waited_before = self._boundary_wait_s
+        outer = self._wait_running()
+        if outer is not None:
+            self.outer_wait_monitor.record(self._boundary_wait_s - waited_before)
+        return outer
+
     def _merge(self) -> None:
         """Eager mode, H inner steps after boundary k: every replica moves to x_{k+1} plus its own
         progress since the boundary (after a skipped round, back to the anchor)."""
-        started = time.perf_counter()
-        outer = self._wait_running()
-        self.outer_wait_monitor.record(time.perf_counter() - started)
+        outer = self._wait_outer()
         self._log_skip(outer)
         with torch.no_grad():
             for flat, state, shard, at_boundary in zip(self.flats, self.outers, self.shards, self.boundary_masters):
