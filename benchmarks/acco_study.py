@@ -102,6 +102,7 @@ class Model:
         self.torch = torch
         self.args = args
         self.model = build_model(args.model, args.ctx, args.seed)
+        self.fp32_params = [p.detach().clone() for p in self.model.parameters()]
         if args.bf16:
             self.model.to(torch.bfloat16)
         self.model.train()
@@ -111,7 +112,8 @@ class Model:
         self.cursor = [0] * args.world_size
 
     def flat(self):
-        return self.torch.nn.utils.parameters_to_vector(self.params).detach().clone()
+        """The fp32 master vector (with --bf16, of the seeded fp32 weights the bench starts from)."""
+        return self.torch.nn.utils.parameters_to_vector(self.fp32_params).detach().clone()
 
     def gradient_sum(self, at, micro_batches_per_rank: int):
         """Sum of the gradients of every rank's next micro-batches at ``at``; count; mean loss."""

@@ -4,6 +4,7 @@ import importlib.util
 import os
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,3 +64,11 @@ def test_seed_table_gaps_per_seed_ranges_and_lone_replica(tmp_path, capsys):
     # seeds, @10, @20, gap @20 (seed 0: +10%, seed 1: +30%), decreasing, above the lone replica
     assert cells[1:] == ["0,1", "2.350 [2.200, 2.500]", "1.850 [1.100, 2.600]", "+20.0% [+10.0%, +30.0%]",
                          "1 of 2", "1 (10); seed 1: no lone run"]
+
+
+def test_acco_study_keeps_fp32_masters_with_bf16_gradients():
+    study = _load("acco_study")
+    from deepspeed_acco.bench.data import load_corpus
+    model = study.Model(study.parse_args(["--method", "zero1", "--bf16"] + TINY), load_corpus(None))
+    assert model.flat().dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in model.params)
