@@ -86,8 +86,8 @@ def main(argv=None) -> int:
                     above.append(f"seed {s}: no lone run")
                     continue
                 worse = [u for u in sorted(curves[m][s]) if u > 0 and u in lone[s] and curves[m][s][u] > lone[s][u]]
-                above.append(f"{len(worse)}" + (f" ({','.join(map(str, worse))})" if worse else ""))
-            cells.append("; ".join(above))
+                above.append(f"seed {s}: {len(worse)}" + (f" ({','.join(map(str, worse))})" if worse else ""))
+            cells.append("; ".join(above) if len(seeds) > 1 else above[0].split(": ", 1)[1])
         print("| " + " | ".join(cells) + " |")
     return 0
 
