@@ -63,7 +63,7 @@ def test_seed_table_gaps_per_seed_ranges_and_lone_replica(tmp_path, capsys):
     cells = [c.strip() for c in co2.strip("|").split("|")]
     # seeds, @10, @20, gap @20 (seed 0: +10%, seed 1: +30%), decreasing, above the lone replica
     assert cells[1:] == ["0,1", "2.350 [2.200, 2.500]", "1.850 [1.100, 2.600]", "+20.0% [+10.0%, +30.0%]",
-                         "1 of 2", "1 (10); seed 1: no lone run"]
+                         "1 of 2", "seed 0: 1 (10); seed 1: no lone run"]
 
 
 def test_acco_study_keeps_fp32_masters_with_bf16_gradients():
