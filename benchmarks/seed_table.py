@@ -82,12 +82,13 @@ def main(argv=None) -> int:
         else:
             above = []
             for s in seeds:
+                name = f"seed {s}: " if len(seeds) > 1 else ""
                 if s not in lone:
-                    above.append(f"seed {s}: no lone run")
+                    above.append(f"{name}no lone run")
                     continue
                 worse = [u for u in sorted(curves[m][s]) if u > 0 and u in lone[s] and curves[m][s][u] > lone[s][u]]
-                above.append(f"seed {s}: {len(worse)}" + (f" ({','.join(map(str, worse))})" if worse else ""))
-            cells.append("; ".join(above) if len(seeds) > 1 else above[0].split(": ", 1)[1])
+                above.append(f"{name}{len(worse)}" + (f" ({','.join(map(str, worse))})" if worse else ""))
+            cells.append("; ".join(above))
         print("| " + " | ".join(cells) + " |")
     return 0
 
