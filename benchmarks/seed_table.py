@@ -81,8 +81,9 @@ def main(argv=None) -> int:
             cells.append("")
         else:
             above = []
+            named = len(seeds) > 1
             for s in seeds:
-                name = f"seed {s}: " if len(seeds) > 1 else ""
+                name = f"seed {s}: " if named else ""
                 if s not in lone:
                     above.append(f"{name}no lone run")
                     continue
