@@ -293,6 +293,28 @@ def test_a_closed_lane_refuses_jobs():
         lane.submit(lambda: None, Communicator(None, 0, 1, "one"), label="late")
 
 
+def test_released_communicators_and_control_plane_refuse_collectives_instead_of_using_the_default_group():
+    # engine.destroy() releases its process groups; a later collective must not fall back to
+    # group=None (the default group) but say that the engine was destroyed.
+    group = object()
+    communicator = Communicator(group, 0, 2, "params", backend="gloo")
+    communicator.release()
+    assert communicator.group is None and not communicator.local
+    flat = torch.zeros(4)
+    for call in (lambda: communicator.all_gather(flat, flat[:2]), lambda: communicator.all_reduce(flat),
+                 lambda: communicator.reduce_scatter(flat[:2], flat),
+                 lambda: communicator.all_to_all(flat, flat, [2, 2], [2, 2])):
+        with pytest.raises(CommunicationError, match="destroyed"):
+            call()
+    control = comm.ControlPlane(group, 2)
+    control.release()
+    assert control.group is None
+    for call in (lambda: control.max(3), control.barrier):
+        with pytest.raises(CommunicationError, match="destroyed"):
+            call()
+    assert comm.ControlPlane(None, 1).max(3) == 3  # one rank: no group, nothing to release
+
+
 # ---- the lane on CUDA ------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("shared_stream", [False, True], ids=["stream-per-communicator", "shared-stream"])

@@ -305,8 +305,25 @@ class Communicator:
         # reduce-scatter with a ring of sends, which moves the minimal (W - 1) / W of the data.
         self.ring_reduce_scatter = backend == "gloo"
         self._ring_buffers: dict = {}
+        self._released = False
+
+    def release(self) -> None:
+        """Drop this communicator's reference to its process group (after ``destroy_process_group``).
+
+        The group's backend, and with it gloo's worker threads, is torn down when its last
+        reference goes; doing that here, while the interpreter is intact, means no gloo thread
+        is left to finish a collective during interpreter finalisation (where releasing the
+        tensors of the last job needs the GIL, and a thread that asks for it then is ended by
+        Python mid-destructor, which aborts the process). Later collectives raise.
+        """
+        self.group = None
+        self._ring_buffers = {}
+        self._released = True
 
     def _run(self, collective: str, fn: Callable[[], Any]) -> None:
+        if self._released:
+            raise CommunicationError(f"collective {collective} on process group {self.name!r}: the engine was "
+                                     f"destroyed (engine.destroy()) and its process groups released")
         record = _CollectiveRecord(collective, self.name)
         records = getattr(_running_job, "records", None)
         if records is not None:
@@ -475,17 +492,30 @@ class ControlPlane:
     def __init__(self, group, world_size: int):
         self.group = group
         self.world_size = world_size
+        self._released = False
+
+    def release(self) -> None:
+        """Drop the reference to the group after ``destroy_process_group`` (see :meth:`Communicator.release`)."""
+        self.group = None
+        self._released = True
+
+    def _check(self, operation: str) -> None:
+        if self._released:
+            raise CommunicationError(f"control plane {operation}: the engine was destroyed (engine.destroy()) "
+                                     f"and its process groups released")
 
     def max(self, value: int) -> int:
         """The largest ``value`` over all ranks (collective)."""
         if self.world_size == 1:
             return int(value)
+        self._check("max")
         tensor = torch.tensor([int(value)], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return int(tensor.item())
 
     def barrier(self) -> None:
         if self.world_size > 1:
+            self._check("barrier")
             dist.barrier(group=self.group)
 
 

@@ -464,11 +464,18 @@ class AccoEngine(DeepSpeedEngine):
         if stopped and self._failure is None:
             # Release our process groups while the interpreter is intact: a gloo group that a
             # thread used and that is left to interpreter finalisation can abort the process.
+            # destroy_process_group only unregisters a group: its gloo threads live until the last
+            # reference goes, so the communicators and the control plane drop theirs here too
+            # (otherwise the threads outlive interpreter exit, where finishing the last job aborts).
             groups = {id(c.group): c.group for c in self._communicators if c is not None and c.group is not None}
             if self.control.group is not None:
                 groups[id(self.control.group)] = self.control.group
-            for group in groups.values():
-                dist.destroy_process_group(group)
+            for key in list(groups):
+                dist.destroy_process_group(groups.pop(key))
+            for communicator in self._communicators:
+                if communicator is not None:
+                    communicator.release()
+            self.control.release()
             self._communicators = []
         _LIVE_ENGINES.discard(self)
 
