@@ -7,6 +7,11 @@ baseline *of the same seed* at the chosen updates, whether the loss decreased at
 and at how many evaluations it was above the lone replica (the compute-only run) of the same seed.
 
     python benchmarks/seed_table.py docs/results/conv720 docs/results/conv720_seed1 --gaps 300,720
+
+A folder written ``FOLDER@TAG`` holds runs of a variant (made with a flag the method's name does
+not show, such as ``--local-steps 4``): its methods other than the baselines (``--baseline`` and
+the lone replica) become ``METHOD@TAG`` rows, labelled with the tag, e.g.
+``docs/results/conv720_eager_local4_seed2@local_steps 4``.
 """
 import argparse
 import csv
@@ -20,10 +25,16 @@ LABELS = {"compute": "lone replica (no communication)", "zero1": "DeepSpeed ZeRO
           "dpu": "DPU"}
 
 
-def load(folders: List[str]) -> Dict[str, Dict[int, Dict[int, float]]]:
+def label(method: str) -> str:
+    base, _, tag = method.partition("@")
+    return LABELS.get(base, base) + (f", {tag}" if tag else "")
+
+
+def load(folders: List[str], baseline: str = "zero1") -> Dict[str, Dict[int, Dict[int, float]]]:
     """method -> seed -> update -> rank 0's validation loss (the first folder that has it wins)."""
     curves: Dict[str, Dict[int, Dict[int, float]]] = defaultdict(dict)
-    for folder in folders:
+    for spec in folders:
+        folder, _, tag = spec.partition("@")
         found: Dict[tuple, Dict[int, float]] = defaultdict(dict)
         with open(os.path.join(folder, "steps.csv")) as f:
             for row in csv.DictReader(f):
@@ -31,6 +42,8 @@ def load(folders: List[str]) -> Dict[str, Dict[int, Dict[int, float]]]:
                     continue
                 found[(row["method"], int(row["seed"]))][int(row["update"])] = float(row["val_loss"])
         for (method, seed), curve in found.items():
+            if tag and method not in (baseline, "compute"):
+                method = f"{method}@{tag}"
             curves[method].setdefault(seed, curve)
     return curves
 
@@ -51,9 +64,11 @@ def main(argv=None) -> int:
     p.add_argument("--columns", default="", help="updates to show as columns (default: every evaluation)")
     p.add_argument("--methods", default="", help="comma-separated, in this order (default: all found)")
     args = p.parse_args(argv)
-    curves = load(args.folders)
-    methods = [m for m in args.methods.split(",") if m] or sorted(curves, key=lambda m: list(LABELS).index(m)
-                                                                 if m in LABELS else len(LABELS))
+    curves = load(args.folders, args.baseline)
+    order = list(LABELS)
+    methods = [m for m in args.methods.split(",") if m] or sorted(
+        curves, key=lambda m: (order.index(m.partition("@")[0]) if m.partition("@")[0] in order else len(order),
+                               m.partition("@")[2]))
     missing = [m for m in methods if m not in curves]
     if missing:
         p.error(f"no runs of {', '.join(missing)} in these folders")
@@ -67,7 +82,7 @@ def main(argv=None) -> int:
     print("|" + "---|" * len(head))
     for m in methods:
         seeds = sorted(curves[m])
-        cells = [LABELS.get(m, m), ",".join(map(str, seeds))]
+        cells = [label(m), ",".join(map(str, seeds))]
         for u in columns:
             cells.append(fmt([curves[m][s][u] for s in seeds if u in curves[m][s]]))
         for u in gaps:

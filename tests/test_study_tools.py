@@ -64,6 +64,18 @@ def test_seed_table_gaps_per_seed_ranges_and_lone_replica(tmp_path, capsys):
     # seeds, @10, @20, gap @20 (seed 0: +10%, seed 1: +30%), decreasing, above the lone replica
     assert cells[1:] == ["0,1", "2.350 [2.200, 2.500]", "1.850 [1.100, 2.600]", "+20.0% [+10.0%, +30.0%]",
                          "1 of 2", "seed 0: 1 (10); seed 1: no lone run"]
+    # FOLDER@TAG: a variant's rows are kept apart from the same method's plain runs; its baseline
+    # and lone replica rows are the plain ones (the first folder still wins for those).
+    _write_steps(tmp_path / "c", [("zero1", 0, 0, 5.0), ("zero1", 0, 10, 7.0), ("zero1", 0, 20, 7.0),
+                                  ("co2", 0, 0, 5.0), ("co2", 0, 10, 1.9), ("co2", 0, 20, 0.9)])
+    assert _load("seed_table").main([str(tmp_path / "c") + "@local_steps 4", str(tmp_path / "a")]) == 0
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in capsys.readouterr().out.splitlines()[2:])}
+    assert list(rows) == ["lone replica (no communication)", "DeepSpeed ZeRO-1", "CO2 (defaults)",
+                          "CO2 (defaults), local_steps 4"]
+    assert rows["DeepSpeed ZeRO-1"][:3] == ["0", "7.000", "7.000"]  # the first folder's zero1 run
+    assert rows["CO2 (defaults), local_steps 4"][:4] == ["0", "1.900", "0.900", "-87.1%"]
+    assert rows["CO2 (defaults)"][:4] == ["0", "2.200", "1.100", "-84.3%"]
 
 
 def test_acco_study_keeps_fp32_masters_with_bf16_gradients():
