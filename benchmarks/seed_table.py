@@ -66,9 +66,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     curves = load(args.folders, args.baseline)
     order = list(LABELS)
-    methods = [m for m in args.methods.split(",") if m] or sorted(
-        curves, key=lambda m: (order.index(m.partition("@")[0]) if m.partition("@")[0] in order else len(order),
-                               m.partition("@")[2]))
+
+    def rank(method: str) -> tuple:  # LABELS order, unknown methods last; a tagged variant after its base
+        base, _, tag = method.partition("@")
+        return (order.index(base) if base in order else len(order), tag)
+
+    methods = [m for m in args.methods.split(",") if m] or sorted(curves, key=rank)
     missing = [m for m in methods if m not in curves]
     if missing:
         p.error(f"no runs of {', '.join(missing)} in these folders")

@@ -492,15 +492,14 @@ class ControlPlane:
     def __init__(self, group, world_size: int):
         self.group = group
         self.world_size = world_size
-        self._released = False
 
     def release(self) -> None:
         """Drop the reference to the group after ``destroy_process_group`` (see :meth:`Communicator.release`)."""
         self.group = None
-        self._released = True
 
     def _check(self, operation: str) -> None:
-        if self._released:
+        # Only called with world_size > 1, where the group is None only after release().
+        if self.group is None:
             raise CommunicationError(f"control plane {operation}: the engine was destroyed (engine.destroy()) "
                                      f"and its process groups released")
 

@@ -470,8 +470,8 @@ class AccoEngine(DeepSpeedEngine):
             groups = {id(c.group): c.group for c in self._communicators if c is not None and c.group is not None}
             if self.control.group is not None:
                 groups[id(self.control.group)] = self.control.group
-            for key in list(groups):
-                dist.destroy_process_group(groups.pop(key))
+            for group in groups.values():
+                dist.destroy_process_group(group)
             for communicator in self._communicators:
                 if communicator is not None:
                     communicator.release()
