@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--val-windows", type=int, default=40, help="the bench's default")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="")
+    p.add_argument("--save-final", default="",
+                   help="also write the final fp32 parameter vector here (torch.save), for benchmarks/position_loss.py")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.grad_accum % 2:
@@ -181,6 +183,8 @@ def run(args):
             estimate = next_estimate
             estimate_error.append(dict(update=update + 1, lr=lr, error=float((estimate - opt.theta).norm()),
                                        step=float((opt.theta - previous).norm())))
+    if args.save_final:
+        torch.save(opt.theta, args.save_final)
     return dict(args=vars(args), evals=evals, train_losses=train_losses, estimate_error=estimate_error,
                 wall_s=time.perf_counter() - t0)
 

@@ -84,3 +84,30 @@ def test_acco_study_keeps_fp32_masters_with_bf16_gradients():
     model = study.Model(study.parse_args(["--method", "zero1", "--bf16"] + TINY), load_corpus(None))
     assert model.flat().dtype == torch.float32
     assert all(p.dtype == torch.bfloat16 for p in model.params)
+
+
+def test_position_loss_reads_saved_vectors_and_agrees_with_the_study_evaluation(tmp_path, capsys):
+    import json
+    from deepspeed_acco.bench.data import load_corpus
+    study = _load("acco_study")
+    saved = tmp_path / "zero1.pt"
+    args = study.parse_args(["--method", "zero1"] + TINY + ["--save-final", str(saved)])
+    result = study.run(args)
+    final = result["evals"]["6"]
+    initial = tmp_path / "initial.pt"
+    torch.save(study.Model(args, load_corpus(None)).flat(), initial)
+    out = tmp_path / "pos.json"
+    assert _load("position_loss").main(["--model", "tiny", "--ctx", "32", "--windows", "4", "--bands", "0,8,16",
+                                        f"trained={saved}", f"same={saved}", f"initial={initial}",
+                                        "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["windows"] == 4 and report["bands"] == ["0-7", "8-15", "16-30"]
+    trained = report["runs"]["trained"]
+    # The same held-out windows as the study's evaluator: the same mean loss.
+    assert trained["all"]["loss"] == pytest.approx(final, rel=1e-5)
+    # Bands of 8, 8 and 15 predicted bytes: their weighted mean is the whole window's.
+    assert (8 * trained["0-7"]["loss"] + 8 * trained["8-15"]["loss"] + 15 * trained["16-30"]["loss"]) / 31 == \
+        pytest.approx(trained["all"]["loss"], rel=1e-6)
+    assert report["runs"]["same"]["all"]["gap"] == 0.0 and report["runs"]["same"]["all"]["gap_se"] == 0.0
+    assert report["runs"]["initial"]["all"]["gap"] > 0  # six updates lower the loss of the initial weights
+    assert "trained" in capsys.readouterr().out
