@@ -419,23 +419,26 @@ def _processes_mentioning(text):
 
 @needs_netns
 @pytest.mark.slow
-def test_ctrl_c_removes_namespace_and_processes(tmp_path):
+def test_ctrl_c_removes_namespace_and_processes_and_keeps_the_finished_runs(tmp_path):
+    """Ctrl-C during the second run of a two-node bench (the default): every namespace and every
+    process of the job goes, and the report of the run that finished is written, marked as partial."""
     out = tmp_path / "interrupted"
-    """Ctrl-C during a two-node run (the default): every namespace and every process of the job goes."""
-    cmd = [sys.executable, "-m", "deepspeed_acco.bench", "--model", "tiny", "--ctx", "64", "--updates", "100000",
-           "--methods", "zero1", "--no-compute-only", "--bandwidth", "1gbit", "--out", str(out), "--no-progress",
-           "--no-comm-probe"]
+    cmd = [sys.executable, "-m", "deepspeed_acco.bench", "--model", "tiny", "--ctx", "64", "--updates", "400",
+           "--eval-every", "100", "--val-windows", "8", "--methods", "zero1,sharded", "--no-compute-only",
+           "--target-loss", "none", "--bandwidth", "1gbit", "--out", str(out), "--no-progress", "--no-comm-probe",
+           "--no-plots"]
     # A test run started in the background of a non-interactive shell inherits SIGINT ignored (POSIX),
     # and Python keeps an ignored SIGINT ignored: give the bench the terminal's default, as a user has.
     proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        rows = out / "runs" / "zero1" / "rank0.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (rows.exists() and rows.stat().st_size > 0):
+        first = out / "runs" / "zero1" / "rank0.summary.json"
+        rows = out / "runs" / "sharded" / "rank0.jsonl"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (first.exists() and rows.exists() and rows.stat().st_size > 0):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
-            time.sleep(0.5)
-        assert rows.exists(), "training never started"
+            time.sleep(0.2)
+        assert first.exists() and rows.exists(), "the second run never started"
         mine = [n for n in _our_namespaces() if n.startswith(f"acco-{proc.pid}-")]
         assert len(mine) == 3, f"expected two node namespaces and a switch, got {mine}"
         proc.send_signal(signal.SIGINT)
@@ -444,10 +447,16 @@ def test_ctrl_c_removes_namespace_and_processes(tmp_path):
         if proc.poll() is None:  # failed above: the bench's own SIGTERM handler still cleans up
             proc.terminate()
             proc.wait(timeout=60)
-    assert proc.returncode == 130
+    printed = proc.stdout.read()
+    assert proc.returncode == 130, printed[-3000:]
     assert not [n for n in _our_namespaces() if n.startswith(f"acco-{proc.pid}-")]
     time.sleep(0.5)
     assert _processes_mentioning(str(out)) == []
+    assert "covers the 1 run(s) that finished" in printed, printed[-3000:]
+    report = (out / "results.md").read_text()
+    assert "INTERRUPTED" in report and "DeepSpeed ZeRO-1" in report and "ShardedAdamW" not in report
+    assert [r["method"] for r in csv.DictReader(open(out / "summary.csv"))] == ["zero1"]
+    assert json.load(open(out / "results.json"))["interrupted"] is True
 
 
 @needs_netns

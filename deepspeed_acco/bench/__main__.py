@@ -523,6 +523,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: stopped the running job and removed the emulated network", file=sys.stderr)
         netns.cleanup_all()
+        if results:  # keep what finished: the report of the completed runs, marked as partial
+            meta["interrupted"] = True
+            try:
+                finish(args, out, results, failed, meta, rates)
+                print(f"interrupted: the report in {out} covers the {len(meta['runs'])} run(s) that finished",
+                      file=sys.stderr)
+            except Exception as e:  # noqa: BLE001 - the logs stay in runs/ for --replot
+                print(f"interrupted: could not write the report of the finished runs ({e}); their logs are in "
+                      f"{os.path.join(out, 'runs')}", file=sys.stderr)
         return 130
     finally:
         netns.cleanup_all()

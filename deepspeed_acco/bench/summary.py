@@ -100,6 +100,9 @@ def finish(args, out, results, failed, meta, rates) -> None:
               f"updates; lr {args.lr:g}; seeds {', '.join(map(str, args.seeds))}; data: {meta['corpus']}.\n")
     if meta.get("busy_warning"):
         md.append(meta["busy_warning"] + "\n")
+    if meta.get("interrupted"):
+        md.append("INTERRUPTED: the bench was stopped before it finished; this report covers only the runs that "
+                  "finished before that (the command above lists what was asked for).\n")
     for m, why in (meta.get("refused") or {}).items():
         md.append(f"Not run: {parse_variant(m).label}: deepspeed_acco refuses its config: {why}\n")
     for label in [netns.format_bandwidth(b) for b in rates]:
