@@ -60,10 +60,11 @@ def per_window_position_loss(model, windows, batch: int):
 
 
 def mean_and_se(values):
+    """Mean of a 1-d tensor and its standard error (float64)."""
+    values = values.double()
     n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
-    return mean, math.sqrt(var / n)
+    se = float(values.std()) / math.sqrt(n) if n > 1 else 0.0
+    return float(values.mean()), se
 
 
 def main(argv=None):
@@ -84,7 +85,7 @@ def main(argv=None):
         copy_into(torch.load(path), params)
         losses[name] = per_window_position_loss(model, windows, args.batch)
     reference = args.vectors[0].split("=", 1)[0]
-    result = dict(args={k: v for k, v in vars(args).items()}, windows=len(windows), bands=names, runs={})
+    result = dict(args=vars(args), windows=len(windows), bands=names, runs={})
     header = f"{'run':>12} | {'all':>14} | " + " | ".join(f"{n:>14}" for n in names)
     print(f"{len(windows)} windows of {args.ctx} bytes; loss (nats/byte), and for the others the relative "
           f"gap to {reference} +- one standard error over windows")
@@ -94,11 +95,11 @@ def main(argv=None):
         cells = []
         for band, (lo, hi) in [("all", (0, args.ctx - 1))] + list(zip(names, zip(edges[:-1], edges[1:]))):
             per_window = loss[:, lo:hi].mean(dim=1)
-            mean, se = mean_and_se(per_window.tolist())
+            mean, se = mean_and_se(per_window)
             entry = dict(loss=mean, se=se)
             if name != reference:
                 ref = losses[reference][:, lo:hi].mean(dim=1)
-                gap, gap_se = mean_and_se((per_window - ref).tolist())
+                gap, gap_se = mean_and_se(per_window - ref)
                 base = float(ref.mean())
                 entry.update(gap=gap / base, gap_se=gap_se / base)
                 cells.append(f"{100 * gap / base:+6.2f}% +-{100 * gap_se / base:4.2f}")
