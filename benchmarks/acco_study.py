@@ -58,6 +58,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default="")
     p.add_argument("--save-final", default="",
                    help="also write the final fp32 parameter vector here (torch.save), for benchmarks/position_loss.py")
+    p.add_argument("--probe-every", type=int, default=0,
+                   help="acco: every N updates also compute the first half's gradient at the committed "
+                        "parameters (same micro-batches) and record how far the estimate moves it, against the "
+                        "half-batch noise (gradient_probe in the JSON; 0: off)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.grad_accum % 2:
@@ -161,7 +165,7 @@ def run(args):
     half = args.grad_accum // 2
     estimate = opt.theta.clone()  # theta~_0 = theta_0
     previous = opt.theta.clone()  # theta_{t-1} (stale-half)
-    evals, estimate_error, train_losses = {}, [], []
+    evals, estimate_error, train_losses, probes = {}, [], [], []
     t0 = time.perf_counter()
     for update in range(args.updates + 1):
         if update in to_eval:
@@ -172,8 +176,21 @@ def run(args):
             break
         lr = warmup_decay_lr(update, args.lr, args.warmup, args.updates)
         at_first = {"zero1": opt.theta, "acco": estimate, "stale-half": previous}[args.method]
+        cursor = list(model.cursor)
         first, first_count, loss_a = model.gradient_sum(at_first, half)
+        probe = args.method == "acco" and args.probe_every > 0 and update > 0 and update % args.probe_every == 0
+        if probe:  # the same micro-batches again, at the committed parameters
+            after_first, model.cursor = model.cursor, cursor
+            at_theta, _, _ = model.gradient_sum(opt.theta, half)
+            model.cursor = after_first
         second, second_count, loss_b = model.gradient_sum(opt.theta, half)
+        if probe:
+            displacement = float((estimate - opt.theta).norm())
+            error = float((first - at_theta).norm()) / first_count
+            noise = float((at_theta / first_count - second / second_count).norm()) / 2
+            probes.append(dict(update=update, lr=lr, displacement=displacement, gradient_error=error,
+                               half_noise=noise, error_over_noise=error / noise,
+                               curvature=error / displacement if displacement else None))
         train_losses.append((loss_a + loss_b) / 2)
         if args.method == "acco":
             next_estimate = opt.peek(clipped_mean(args, first, first_count), lr)
@@ -186,7 +203,7 @@ def run(args):
     if args.save_final:
         torch.save(opt.theta, args.save_final)
     return dict(args=vars(args), evals=evals, train_losses=train_losses, estimate_error=estimate_error,
-                wall_s=time.perf_counter() - t0)
+                gradient_probe=probes, wall_s=time.perf_counter() - t0)
 
 
 def main(argv=None):

@@ -38,6 +38,14 @@ def test_acco_study_zero1_is_the_co2_study_zero1_and_acco_departs_after_one_upda
     assert acco[-1] != pytest.approx(zero1[-1], abs=1e-6) and stale[-1] != pytest.approx(acco[-1], abs=1e-6)
     errors = result["estimate_error"]
     assert len(errors) == 6 and all(e["error"] > 0 and e["step"] > 0 for e in errors)
+    # The gradient probe re-reads the first half's micro-batches at theta_t and leaves the run unchanged.
+    probed, presult = _evals("acco", ["--probe-every", "2"])
+    assert probed == acco and presult["estimate_error"] == errors
+    assert [p["update"] for p in presult["gradient_probe"]] == [2, 4]
+    for p in presult["gradient_probe"]:
+        assert p["displacement"] == pytest.approx(errors[p["update"] - 1]["error"])
+        assert p["gradient_error"] > 0 and p["half_noise"] > 0
+        assert p["error_over_noise"] == pytest.approx(p["gradient_error"] / p["half_noise"])
 
 
 def _write_steps(folder, rows):
