@@ -176,9 +176,9 @@ def run(args):
             break
         lr = warmup_decay_lr(update, args.lr, args.warmup, args.updates)
         at_first = {"zero1": opt.theta, "acco": estimate, "stale-half": previous}[args.method]
-        cursor = list(model.cursor)
-        first, first_count, loss_a = model.gradient_sum(at_first, half)
         probe = args.method == "acco" and args.probe_every > 0 and update > 0 and update % args.probe_every == 0
+        cursor = list(model.cursor) if probe else None
+        first, first_count, loss_a = model.gradient_sum(at_first, half)
         if probe:  # the same micro-batches again, at the committed parameters
             after_first, model.cursor = model.cursor, cursor
             at_theta, _, _ = model.gradient_sum(opt.theta, half)
