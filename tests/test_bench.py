@@ -190,16 +190,36 @@ def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
         assert "expected 'adaptive' or a number > 0" in capsys.readouterr().err
 
 
-def test_compute_only_lr_matches_deepspeed_warmup_decay():
+def test_compute_only_lr_matches_deepspeed_schedulers():
+    # Both --lr-schedule values: the config names DeepSpeed's scheduler, and the compute-only
+    # baseline's own lr (warmup_decay_lr) follows that scheduler step by step.
     import torch
-    from deepspeed.runtime.lr_schedules import WarmupDecayLR
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    cfg = ds_config("zero1", world_size=2, micro_batch=4, grad_accum=2, lr=0.5, total_updates=30, warmup=5)
-    sched = WarmupDecayLR(opt, **cfg["scheduler"]["params"])
-    assert math.isclose(opt.param_groups[0]["lr"], warmup_decay_lr(0, 0.5, 5, 30))
-    for step in range(1, 35):
-        sched.step()
-        assert math.isclose(opt.param_groups[0]["lr"], warmup_decay_lr(step, 0.5, 5, 30), abs_tol=1e-12), step
+    from deepspeed.runtime import lr_schedules
+    from deepspeed_acco.bench.__main__ import build_parser, worker_args
+    for schedule, name in (("decay", "WarmupDecayLR"), ("constant", "WarmupLR")):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        cfg = ds_config("zero1", world_size=2, micro_batch=4, grad_accum=2, lr=0.5, total_updates=30, warmup=5,
+                        lr_schedule=schedule)
+        assert cfg["scheduler"]["type"] == name
+        sched = getattr(lr_schedules, name)(opt, **cfg["scheduler"]["params"])
+        assert math.isclose(opt.param_groups[0]["lr"], warmup_decay_lr(0, 0.5, 5, 30, schedule))
+        lrs = []
+        for step in range(1, 35):
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+            assert math.isclose(lrs[-1], warmup_decay_lr(step, 0.5, 5, 30, schedule), abs_tol=1e-12), (schedule, step)
+        if schedule == "constant":
+            assert lrs[5:] == [0.5] * len(lrs[5:])  # no decay after the warm-up
+        else:
+            assert math.isclose(lrs[30], 0.05, abs_tol=1e-12)  # decayed to lr/10 at the horizon
+    with pytest.raises(ValueError, match="--lr-schedule: expected one of decay, constant, got 'cosine'"):
+        ds_config("zero1", world_size=2, micro_batch=4, grad_accum=2, lr=0.5, total_updates=30, warmup=5,
+                  lr_schedule="cosine")
+    # The option reaches every worker's command line, and the default stays the decay.
+    assert build_parser().parse_args([]).lr_schedule == "decay"
+    args = build_parser().parse_args(["--lr-schedule", "constant"])
+    cmd = worker_args(args, "acco", "/tmp/x")
+    assert cmd[cmd.index("--lr-schedule") + 1] == "constant"
 
 
 def test_bounds_and_comm_round():

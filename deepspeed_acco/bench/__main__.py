@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak learning rate (1e-3: the best of 5e-4, 1e-3, 2e-3, 3e-3 for DeepSpeed ZeRO-1 at the "
                         "fp32 defaults of 2026-11-29)")
     g.add_argument("--warmup", type=int, default=10, help="linear warm-up updates (then linear decay to lr/10)")
+    g.add_argument("--lr-schedule", choices=["decay", "constant"], default="decay",
+                   help="after the warm-up: decay (DeepSpeed's WarmupDecayLR, linearly to lr/10 at --updates) or "
+                        "constant (WarmupLR: lr to the end, to tell effects of the decay from effects of length)")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
     g.add_argument("--data", default=None,
@@ -174,7 +177,7 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
     out = ["--method", method, "--run-dir", run_dir, "--model", args.model, "--ctx", str(args.ctx),
            "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
            "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--precision", args.precision,
-           "--lr", repr(args.lr), "--warmup", str(args.warmup), "--weight-decay", repr(args.weight_decay),
+           "--lr", repr(args.lr), "--warmup", str(args.warmup), "--lr-schedule", args.lr_schedule, "--weight-decay", repr(args.weight_decay),
            "--clip", repr(args.clip), "--seed", str(seed), "--local-steps", str(args.local_steps),
            "--warmup-sync-updates", str(args.warmup_sync_updates), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
     if target_loss is not None:
@@ -298,7 +301,7 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
         cfg = ds_config(m, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum, lr=args.lr,
                         total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
                         local_steps=args.local_steps, bf16=args.precision == "bf16",
-                        warmup_sync_updates=args.warmup_sync_updates,
+                        warmup_sync_updates=args.warmup_sync_updates, lr_schedule=args.lr_schedule,
                         co2_options=co2_options(argparse.Namespace(
                             outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                             gap_penalty=None if args.gap_penalty is None else str(args.gap_penalty),

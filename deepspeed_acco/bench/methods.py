@@ -155,7 +155,8 @@ def parse_variant(text: str) -> Variant:
 def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int, lr: float, total_updates: int,
               warmup: int, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
               local_steps: int = 12, dynamic_accumulation: bool = False, bf16: bool = False,
-              torch_adam: bool = True, co2_options: Optional[dict] = None, warmup_sync_updates: int = 0) -> dict:
+              torch_adam: bool = True, co2_options: Optional[dict] = None, warmup_sync_updates: int = 0,
+              lr_schedule: str = "decay") -> dict:
     """The DeepSpeed JSON config (as a dict) for ``method`` (a method name, with modifiers if any:
     ``acco+bf16comm``); ``co2_options``: further CO2 params (``outer_lr``, ``outer_momentum``,
     ``gap_penalty``, ``group_size``), the engine's defaults where absent."""
@@ -183,9 +184,7 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "optimizer": {"type": spec.optimizer, "params": params},
-        "scheduler": {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": lr * MIN_LR_FRACTION, "warmup_max_lr": lr, "warmup_num_steps": max(2, int(warmup)),
-            "total_num_steps": max(int(total_updates), int(warmup) + 1), "warmup_type": "linear"}},
+        "scheduler": _scheduler(lr_schedule, lr, warmup, total_updates),
     }
     if spec.zero_stage is not None:
         cfg["zero_optimization"] = {"stage": spec.zero_stage}
@@ -196,10 +195,28 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
     return cfg
 
 
-def warmup_decay_lr(step: int, lr: float, warmup: int, total_updates: int) -> float:
-    """The learning rate DeepSpeed's ``WarmupDecayLR`` (linear warm-up, the config above) sets after
-    ``step`` scheduler steps, i.e. the lr of update ``step + 1``; for the compute-only baseline, which
-    runs without DeepSpeed."""
+LR_SCHEDULES = ("decay", "constant")
+
+
+def _scheduler(lr_schedule: str, lr: float, warmup: int, total_updates: int) -> dict:
+    """DeepSpeed's scheduler section: ``decay`` is ``WarmupDecayLR`` (linear warm-up from lr/10 to
+    lr, then linear decay to lr/10 at ``total_updates``), ``constant`` is ``WarmupLR`` (the same
+    warm-up, then lr to the end: a schedule with no decay, for telling effects of the decay from
+    effects of the run's length)."""
+    if lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"--lr-schedule: expected one of {', '.join(LR_SCHEDULES)}, got {lr_schedule!r}")
+    params = {"warmup_min_lr": lr * MIN_LR_FRACTION, "warmup_max_lr": lr, "warmup_num_steps": max(2, int(warmup)),
+              "warmup_type": "linear"}
+    if lr_schedule == "constant":
+        return {"type": "WarmupLR", "params": params}
+    params["total_num_steps"] = max(int(total_updates), int(warmup) + 1)
+    return {"type": "WarmupDecayLR", "params": params}
+
+
+def warmup_decay_lr(step: int, lr: float, warmup: int, total_updates: int, lr_schedule: str = "decay") -> float:
+    """The learning rate DeepSpeed's ``WarmupDecayLR`` (linear warm-up, the config above; ``WarmupLR``
+    with ``lr_schedule="constant"``) sets after ``step`` scheduler steps, i.e. the lr of update
+    ``step + 1``; for the compute-only baseline, which runs without DeepSpeed."""
     min_lr = lr * MIN_LR_FRACTION
     if step <= 0:
         return min_lr
@@ -208,6 +225,8 @@ def warmup_decay_lr(step: int, lr: float, warmup: int, total_updates: int) -> fl
     total = max(int(total_updates), int(warmup) + 1)
     if it < warmup:
         gamma = it / warmup
+    elif lr_schedule == "constant":
+        gamma = 1.0
     else:
         gamma = max(0.0, (total - it) / max(1.0, total - warmup))
     return min_lr + (lr - min_lr) * gamma

@@ -77,6 +77,13 @@ def _link_heading(label: str, link: dict) -> str:
     return f"## Link: {label} (one shaped loopback; measured {measured / 1e6:.0f} Mbit/s)"
 
 
+def _schedule_note(args) -> str:
+    """Nothing for the default schedule (linear warm-up, then linear decay to lr/10 at --updates)."""
+    if getattr(args, "lr_schedule", "decay") == "constant":
+        return f" (constant after {args.warmup} warm-up updates: --lr-schedule constant)"
+    return ""
+
+
 def finish(args, out, results, failed, meta, rates) -> None:
     from . import report
     args = normalize_args(args)
@@ -97,7 +104,7 @@ def finish(args, out, results, failed, meta, rates) -> None:
               f"{args.launcher}.\n")
     md.append(f"Model: GPT-Neo '{args.model}' ({n_params:,} parameters), ctx {args.ctx}, {args.precision}; "
               f"micro-batch {args.micro_batch} x accumulation {args.grad_accum} x {world} ranks; {args.updates} "
-              f"updates; lr {args.lr:g}; seeds {', '.join(map(str, args.seeds))}; data: {meta['corpus']}.\n")
+              f"updates; lr {args.lr:g}{_schedule_note(args)}; seeds {', '.join(map(str, args.seeds))}; data: {meta['corpus']}.\n")
     if meta.get("busy_warning"):
         md.append(meta["busy_warning"] + "\n")
     if meta.get("interrupted"):

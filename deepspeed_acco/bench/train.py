@@ -66,6 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--lr-schedule", default="decay", choices=["decay", "constant"])
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -124,9 +125,9 @@ class _ComputeOnly:
         else:
             self.masters = list(model.parameters())
         self.module = model
-        self.opt = torch.optim.AdamW(self.masters, lr=warmup_decay_lr(0, args.lr, args.warmup, args.updates),
+        self.opt = torch.optim.AdamW(self.masters, lr=warmup_decay_lr(0, args.lr, args.warmup, args.updates, args.lr_schedule),
                                      betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
-        self.lr_at = lambda s: warmup_decay_lr(s, args.lr, args.warmup, args.updates)
+        self.lr_at = lambda s: warmup_decay_lr(s, args.lr, args.warmup, args.updates, args.lr_schedule)
         self.global_steps, self.global_samples, self._micro = 0, 0, 0
         self.train_batch_size = args.micro_batch * args.grad_accum * world_size
 
@@ -279,7 +280,8 @@ def run(args) -> dict:
                         lr=args.lr, total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay,
                         clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
                         bf16=args.precision == "bf16", torch_adam=not torch.cuda.is_available(),
-                        warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args))
+                        warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args),
+                        lr_schedule=args.lr_schedule)
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
                 json.dump(cfg, f, indent=1)
