@@ -11,7 +11,9 @@ and at how many evaluations it was above the lone replica (the compute-only run)
 A folder written ``FOLDER@TAG`` holds runs of a variant (made with a flag the method's name does
 not show, such as ``--local-steps 4``): its methods other than the baselines (``--baseline`` and
 the lone replica) become ``METHOD@TAG`` rows, labelled with the tag, e.g.
-``docs/results/conv720_eager_local4_seed2@local_steps 4``.
+``docs/results/conv720_eager_local4_seed2@local_steps 4``. ``FOLDER@METHODS=TAG`` tags only the
+comma-separated METHODS of a folder that also holds plain runs of other methods, e.g.
+``docs/results/conv720_seed3@co2+eager=local_steps 4``.
 """
 import argparse
 import csv
@@ -35,6 +37,10 @@ def load(folders: List[str], baseline: str = "zero1") -> Dict[str, Dict[int, Dic
     curves: Dict[str, Dict[int, Dict[int, float]]] = defaultdict(dict)
     for spec in folders:
         folder, _, tag = spec.partition("@")
+        tagged = None  # None: every method but the baselines
+        if "=" in tag:
+            names, _, tag = tag.partition("=")
+            tagged = {n.strip() for n in names.split(",") if n.strip()}
         found: Dict[tuple, Dict[int, float]] = defaultdict(dict)
         with open(os.path.join(folder, "steps.csv")) as f:
             for row in csv.DictReader(f):
@@ -42,7 +48,7 @@ def load(folders: List[str], baseline: str = "zero1") -> Dict[str, Dict[int, Dic
                     continue
                 found[(row["method"], int(row["seed"]))][int(row["update"])] = float(row["val_loss"])
         for (method, seed), curve in found.items():
-            if tag and method not in (baseline, "compute"):
+            if tag and method not in (baseline, "compute") and (tagged is None or method in tagged):
                 method = f"{method}@{tag}"
             curves[method].setdefault(seed, curve)
     return curves

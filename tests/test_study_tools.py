@@ -84,6 +84,17 @@ def test_seed_table_gaps_per_seed_ranges_and_lone_replica(tmp_path, capsys):
     assert rows["DeepSpeed ZeRO-1"][:3] == ["0", "7.000", "7.000"]  # the first folder's zero1 run
     assert rows["CO2 (defaults), local_steps 4"][:4] == ["0", "1.900", "0.900", "-87.1%"]
     assert rows["CO2 (defaults)"][:4] == ["0", "2.200", "1.100", "-84.3%"]
+    # FOLDER@METHODS=TAG tags only the methods named: here co2, while the folder's acco stays plain.
+    _write_steps(tmp_path / "d", [("zero1", 2, 0, 5.0), ("zero1", 2, 10, 2.0), ("zero1", 2, 20, 1.0),
+                                  ("acco", 2, 0, 5.0), ("acco", 2, 10, 2.0), ("acco", 2, 20, 1.2),
+                                  ("co2", 2, 0, 5.0), ("co2", 2, 10, 2.0), ("co2", 2, 20, 1.05)])
+    assert _load("seed_table").main([str(tmp_path / "d") + "@co2=local_steps 4", str(tmp_path / "a"),
+                                     "--methods", "zero1,acco,co2,co2@local_steps 4"]) == 0
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in capsys.readouterr().out.splitlines()[2:])}
+    assert rows["ACCO"][:4] == ["2", "2.000", "1.200", "+20.0%"]
+    assert rows["CO2 (defaults), local_steps 4"][:4] == ["2", "2.000", "1.050", "+5.0%"]
+    assert rows["CO2 (defaults)"][0] == "0"  # only folder a's plain co2 run
 
 
 def test_acco_study_keeps_fp32_masters_with_bf16_gradients():
