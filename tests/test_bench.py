@@ -532,6 +532,15 @@ def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_boun
     assert cfg["optimizer"]["params"]["warmup_sync_updates"] == 6
     assert "warmup_sync_updates" not in ds_config("zero1", **common, warmup_sync_updates=6)["optimizer"]["params"]
     assert ds_config("dpu", **common, warmup_sync_updates=6)["optimizer"]["params"]["warmup_sync_updates"] == 6
+    # --sync-after-updates (a synchronous cool-down) reaches DPU and ACCO only, and the workers.
+    assert ds_config("acco", **common, sync_after_updates=20)["optimizer"]["params"]["sync_after_updates"] == 20
+    assert ds_config("dpu", **common, sync_after_updates=20)["optimizer"]["params"]["sync_after_updates"] == 20
+    for method in ("zero1", "sharded", "co2"):
+        assert "sync_after_updates" not in ds_config(method, **common, sync_after_updates=20)["optimizer"]["params"]
+    assert "sync_after_updates" not in ds_config("acco", **common)["optimizer"]["params"]
+    from deepspeed_acco.bench.__main__ import build_parser, worker_args
+    cmd = worker_args(build_parser().parse_args(["--sync-after-updates", "20"]), "acco", "/tmp/x")
+    assert cmd[cmd.index("--sync-after-updates") + 1] == "20"
     with pytest.raises(ValueError, match="applies to co2 only"):
         parse_variant("acco+eager")
     # CO2 hides its averaging under a round of 12 inner steps, eager CO2 under one inner step.

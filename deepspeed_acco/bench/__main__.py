@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-steps", type=int, default=12, help="CO2: inner steps between parameter averagings")
     g.add_argument("--warmup-sync-updates", type=int, default=0,
                    help="DPU, ACCO, CO2: the first N updates synchronous (ZeRO-1), then the method's own rule")
+    g.add_argument("--sync-after-updates", type=int, default=None,
+                   help="DPU, ACCO: every update after the first N is synchronous (ZeRO-1), a synchronous "
+                        "cool-down")
     g.add_argument("--outer-lr", type=float, default=None, help="CO2: outer learning rate (default: the engine's, 0.5)")
     g.add_argument("--outer-momentum", type=float, default=None,
                    help="CO2: outer momentum (default: the engine's, 0)")
@@ -179,7 +182,7 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
            "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--precision", args.precision,
            "--lr", repr(args.lr), "--warmup", str(args.warmup), "--lr-schedule", args.lr_schedule, "--weight-decay", repr(args.weight_decay),
            "--clip", repr(args.clip), "--seed", str(seed), "--local-steps", str(args.local_steps),
-           "--warmup-sync-updates", str(args.warmup_sync_updates), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
+           "--warmup-sync-updates", str(args.warmup_sync_updates), "--sync-after-updates", str(args.sync_after_updates or 0), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
     if target_loss is not None:
         out += ["--target-loss", repr(float(target_loss)), "--max-updates", str(args.max_updates)]
     base = method.split("+")[0]
@@ -302,6 +305,7 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
                         total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
                         local_steps=args.local_steps, bf16=args.precision == "bf16",
                         warmup_sync_updates=args.warmup_sync_updates, lr_schedule=args.lr_schedule,
+                        sync_after_updates=args.sync_after_updates,
                         co2_options=co2_options(argparse.Namespace(
                             outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                             gap_penalty=None if args.gap_penalty is None else str(args.gap_penalty),

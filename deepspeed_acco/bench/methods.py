@@ -156,7 +156,7 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
               warmup: int, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
               local_steps: int = 12, dynamic_accumulation: bool = False, bf16: bool = False,
               torch_adam: bool = True, co2_options: Optional[dict] = None, warmup_sync_updates: int = 0,
-              lr_schedule: str = "decay") -> dict:
+              lr_schedule: str = "decay", sync_after_updates: Optional[int] = None) -> dict:
     """The DeepSpeed JSON config (as a dict) for ``method`` (a method name, with modifiers if any:
     ``acco+bf16comm``); ``co2_options``: further CO2 params (``outer_lr``, ``outer_momentum``,
     ``gap_penalty``, ``group_size``), the engine's defaults where absent."""
@@ -173,6 +173,8 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         params["dynamic_accumulation"] = bool(dynamic_accumulation)
     if warmup_sync_updates and spec.name in ("dpu", "acco", "co2"):
         params["warmup_sync_updates"] = int(warmup_sync_updates)
+    if sync_after_updates is not None and spec.name in ("dpu", "acco"):
+        params["sync_after_updates"] = int(sync_after_updates)
     if spec.name == "co2":
         params["local_steps"] = int(local_steps)
         params.update(co2_options or {})

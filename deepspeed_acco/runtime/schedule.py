@@ -173,6 +173,7 @@ class Schedule:
         self.train_batch_size = config.batch.train_batch_size
         self.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
         self.warmup_sync_updates = int(getattr(self.params, "warmup_sync_updates", 0))
+        self.sync_after_updates: Optional[int] = getattr(self.params, "sync_after_updates", None)
         self.phase = next(iter(self.Phase))
         self.round_micro_batches = 0
         self.round_loss_scale: Optional[float] = None
@@ -198,17 +199,31 @@ class Schedule:
         return self.progress.global_steps < self.warmup_sync_updates
 
     @property
+    def in_sync_cooldown(self) -> bool:
+        """Whether ``sync_after_updates`` updates are committed: every further one is synchronous."""
+        return self.sync_after_updates is not None and self.progress.global_steps >= self.sync_after_updates
+
+    def cooldown_starts_with_next_commit(self) -> bool:
+        """Whether the commit about to be launched is the last of the type's rule (``sync_after_updates``)."""
+        return self.sync_after_updates is not None and self.progress.global_steps + 1 >= self.sync_after_updates
+
+    @property
+    def in_sync_update(self) -> bool:
+        """Whether the next update is synchronous (warm-up or cool-down)."""
+        return self.in_sync_warmup or self.in_sync_cooldown
+
+    @property
     def current_rounds_per_update(self) -> int:
-        return 1 if self.in_sync_warmup else self.rounds_per_update
+        return 1 if self.in_sync_update else self.rounds_per_update
 
     @property
     def nominal_round_micro_batches(self) -> int:
         """Micro-batches per round per rank: the accumulation steps (ACCO: half of them after warm-up)."""
         return max(1, self.gradient_accumulation_steps // self.current_rounds_per_update)
 
-    def _sync_boundary(self) -> None:
-        """A warm-up update: ShardedAdamW's, waited at once and installed; the type's phases wait."""
-        work = self._launch(JobKind.COMMIT, wait=True)
+    def _sync_boundary(self, **launch) -> None:
+        """A synchronous update (warm-up, cool-down): ShardedAdamW's, waited at once and installed."""
+        work = self._launch(JobKind.COMMIT, wait=True, **launch)
         if not self.synchronous:
             self._install_gathered()
         self._account_commit(work.wait())
@@ -259,7 +274,7 @@ class Schedule:
     def end_round(self) -> None:
         """Run the boundary now, whatever the round's length: wait, install, launch."""
         self._boundary_wait_s = 0.0
-        if self.in_sync_warmup and self.running is None:
+        if self.in_sync_update and self.running is None:
             self._sync_boundary()
         else:
             self.boundary()

@@ -17,7 +17,8 @@ Every committed update averages a full batch, half computed at the committed par
 at an estimate of them. After the step() that ends round A_{t+1} the model holds theta_{t+1}.
 With ``dynamic_accumulation`` a round ends as soon as the running job is done (and at least one
 micro-batch was fed); each job all-reduces the micro-batch count, and the mean divides by the
-global count.
+global count. With ``sync_after_updates`` N the commit of update N - 1 is waited for and installed
+at once, and every later update is ShardedAdamW's (one round of the full batch).
 """
 import enum
 from dataclasses import dataclass
@@ -26,11 +27,11 @@ import torch
 
 from ..jobs import JobKind
 from ..schedule import CheckpointState, Schedule
-from .params import AdamWParams, WarmupParams, config_error
+from .params import AdamWParams, CooldownParams, WarmupParams, config_error
 
 
 @dataclass(kw_only=True)
-class ACCOParams(WarmupParams, AdamWParams):
+class ACCOParams(CooldownParams, WarmupParams, AdamWParams):
     """Accumulate while you communicate."""
 
     dynamic_accumulation: bool = False
@@ -74,10 +75,15 @@ class ACCO(Schedule):
             self.phase = Phase.SECOND_HALF
         else:
             estimate = self._wait_running()
-            self._install_gathered()
-            self._launch(JobKind.COMMIT, carried=self.first_half_sum,
-                         carried_micro_batches=estimate.global_micro_batches)
+            carried = dict(carried=self.first_half_sum, carried_micro_batches=estimate.global_micro_batches)
             self.phase = Phase.FIRST_HALF
+            if self.cooldown_starts_with_next_commit():
+                # The last update of the rule (sync_after_updates): its commit is waited for and
+                # installed at once, so the synchronous updates that follow start from theta_N.
+                self._sync_boundary(**carried)
+                return
+            self._install_gathered()
+            self._launch(JobKind.COMMIT, **carried)
 
     def checkpoint_state(self) -> CheckpointState:
         state = super().checkpoint_state()

@@ -10,7 +10,7 @@ key and the fix.
 import math
 import typing
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ...ops import quantization
 
@@ -167,3 +167,27 @@ class WarmupParams:
         if self.warmup_sync_updates < 0:
             raise config_error(f"{prefix}.warmup_sync_updates", f"must be >= 0, got {self.warmup_sync_updates}",
                                "use 0 for no warm-up, or the number of synchronous updates to start with")
+
+
+@dataclass(kw_only=True)
+class CooldownParams:
+    """Synchronous cool-down for the types whose rule is one update away from ZeRO-1 (DPU, ACCO)."""
+
+    sync_after_updates: Optional[int] = None
+    """After N committed updates, every further update is a synchronous ZeRO-1 AdamW update
+    (ShardedAdamW's), continuing from the committed parameters with the optimizer state, step count
+    and LR schedule carried on; the mirror image of ``warmup_sync_updates``, for the end of a
+    decaying schedule. null: the type's own rule to the end."""
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        after = self.sync_after_updates
+        if after is None:
+            return
+        warmup = int(getattr(self, "warmup_sync_updates", 0))
+        if after <= warmup:
+            raise config_error(f"{prefix}.sync_after_updates", f"must be greater than warmup_sync_updates "
+                               f"({warmup}), got {after}", "use null for the type's own rule to the end, or the "
+                               "number of committed updates after which to go synchronous (a run that is "
+                               "synchronous throughout is ShardedAdamW)")
+
