@@ -62,6 +62,15 @@ def fmt(values: List[float], digits: int = 3, percent: bool = False) -> str:
     return f(mean) if len(values) == 1 else f"{f(mean)} [{f(min(values))}, {f(max(values))}]"
 
 
+def updates_to_reach(curve: Dict[int, float], loss: float):
+    """The update at which ``curve`` first reaches ``loss`` (linear between evaluations), or None."""
+    points = sorted(curve.items())
+    for (u0, l0), (u1, l1) in zip(points, points[1:]):
+        if l1 <= loss <= l0:
+            return u0 + (l0 - loss) / (l0 - l1) * (u1 - u0) if l0 > l1 else u0
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folders", nargs="+", help="bench output folders (each with a steps.csv)")
@@ -69,6 +78,10 @@ def main(argv=None) -> int:
     p.add_argument("--gaps", default="", help="updates at which to report the gap to the baseline (default: the last)")
     p.add_argument("--columns", default="", help="updates to show as columns (default: every evaluation)")
     p.add_argument("--methods", default="", help="comma-separated, in this order (default: all found)")
+    p.add_argument("--update-ratio", action="store_true",
+                   help="also, at each --gaps update U: the update at which the baseline of the same seed reached "
+                        "the method's loss at U (linear between evaluations), divided by U: below 1 the method "
+                        "needs more updates than the baseline for that loss")
     args = p.parse_args(argv)
     curves = load(args.folders, args.baseline)
     order = list(LABELS)
@@ -86,6 +99,7 @@ def main(argv=None) -> int:
     gaps = [int(u) for u in args.gaps.split(",") if u] or [updates[-1]]
     base, lone = curves.get(args.baseline, {}), curves.get("compute", {})
     head = ["method", "seeds"] + [f"@{u}" for u in columns] + [f"vs {args.baseline} @{u}" for u in gaps] + \
+        ([f"{args.baseline} updates to its loss / {u}" for u in gaps] if args.update_ratio else []) + \
         ["decreasing at every evaluation", "evaluations above the lone replica"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -98,6 +112,12 @@ def main(argv=None) -> int:
             rel = [100 * (curves[m][s][u] / base[s][u] - 1) for s in seeds
                    if m != args.baseline and s in base and u in base[s] and u in curves[m][s]]
             cells.append(fmt(rel, percent=True) if rel else "")
+        for u in gaps if args.update_ratio else []:
+            reach = [updates_to_reach(base[s], curves[m][s][u]) for s in seeds
+                     if m != args.baseline and s in base and u in curves[m][s]]
+            ratios = [r / u for r in reach if r is not None]
+            cells.append((fmt(ratios, digits=2) + ("" if len(ratios) == len(reach) else
+                                                     f" ({len(reach) - len(ratios)} not reached)")) if reach else "")
         ordered = [[curves[m][s][u] for u in sorted(curves[m][s])] for s in seeds]
         decreasing = sum(all(b < a for a, b in zip(losses, losses[1:])) for losses in ordered)
         cells.append(f"{decreasing} of {len(seeds)}")

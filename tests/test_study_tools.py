@@ -95,6 +95,17 @@ def test_seed_table_gaps_per_seed_ranges_and_lone_replica(tmp_path, capsys):
     assert rows["ACCO"][:4] == ["2", "2.000", "1.200", "+20.0%"]
     assert rows["CO2 (defaults), local_steps 4"][:4] == ["2", "2.000", "1.050", "+5.0%"]
     assert rows["CO2 (defaults)"][0] == "0"  # only folder a's plain co2 run
+    # --update-ratio: seed 2's ZeRO-1 reaches acco's 1.2 at update 18 (2.0 -> 1.0 over 10..20), 0.9 of 20;
+    # co2's 1.05 at 19.5; nothing reaches a loss below the baseline's best.
+    assert _load("seed_table").main([str(tmp_path / "d") + "@co2=local_steps 4", "--gaps", "20",
+                                     "--update-ratio"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "zero1 updates to its loss / 20" in lines[0]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    assert rows["ACCO"][3:5] == ["+20.0%", "0.90"] and rows["CO2 (defaults), local_steps 4"][4] == "0.97"
+    _write_steps(tmp_path / "e", [("zero1", 4, 0, 5.0), ("zero1", 4, 10, 2.0), ("acco", 4, 0, 5.0), ("acco", 4, 10, 1.5)])
+    assert _load("seed_table").main([str(tmp_path / "e"), "--update-ratio"]) == 0
+    assert "- (1 not reached)" in capsys.readouterr().out
 
 
 def test_acco_study_keeps_fp32_masters_with_bf16_gradients():
