@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 from . import netns
 from .jobs import Placement, probe_comm, run_job
-from .methods import BASELINE, DEFAULT_METHODS, METHODS, MODIFIERS, parse_variant, resolve_methods
+from .methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
 from .models import DEFAULT_PRESET, PRESETS
 from .summary import finish, replot
 
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak learning rate (1e-3: the best of 5e-4, 1e-3, 2e-3, 3e-3 for DeepSpeed ZeRO-1 at the "
                         "fp32 defaults of 2026-11-29)")
     g.add_argument("--warmup", type=int, default=10, help="linear warm-up updates (then linear decay to lr/10)")
-    g.add_argument("--lr-schedule", choices=["decay", "constant"], default="decay",
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="decay",
                    help="after the warm-up: decay (DeepSpeed's WarmupDecayLR, linearly to lr/10 at --updates) or "
                         "constant (WarmupLR: lr to the end, to tell effects of the decay from effects of length)")
     g.add_argument("--weight-decay", type=float, default=0.1)
@@ -182,7 +182,9 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
            "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--precision", args.precision,
            "--lr", repr(args.lr), "--warmup", str(args.warmup), "--lr-schedule", args.lr_schedule, "--weight-decay", repr(args.weight_decay),
            "--clip", repr(args.clip), "--seed", str(seed), "--local-steps", str(args.local_steps),
-           "--warmup-sync-updates", str(args.warmup_sync_updates), "--sync-after-updates", str(args.sync_after_updates or 0), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
+           "--warmup-sync-updates", str(args.warmup_sync_updates), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
+    if args.sync_after_updates is not None:
+        out += ["--sync-after-updates", str(args.sync_after_updates)]
     if target_loss is not None:
         out += ["--target-loss", repr(float(target_loss)), "--max-updates", str(args.max_updates)]
     base = method.split("+")[0]

@@ -42,7 +42,7 @@ import traceback
 
 
 def parse_args(argv=None):
-    from .methods import parse_variant
+    from .methods import LR_SCHEDULES, parse_variant
     from .models import DEFAULT_PRESET, PRESETS
 
     def method(text):
@@ -66,13 +66,13 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--lr-schedule", default="decay", choices=["decay", "constant"])
+    p.add_argument("--lr-schedule", default="decay", choices=LR_SCHEDULES)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local-steps", type=int, default=12)
     p.add_argument("--warmup-sync-updates", type=int, default=0)
-    p.add_argument("--sync-after-updates", type=int, default=0, help="0: none")
+    p.add_argument("--sync-after-updates", type=int, default=None)
     p.add_argument("--group-size", type=int, default=1, help="CO2: ranks that average gradients every step")
     p.add_argument("--outer-lr", type=float, default=None)
     p.add_argument("--outer-momentum", type=float, default=None)
@@ -282,7 +282,7 @@ def run(args) -> dict:
                         clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
                         bf16=args.precision == "bf16", torch_adam=not torch.cuda.is_available(),
                         warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args),
-                        sync_after_updates=args.sync_after_updates or None,
+                        sync_after_updates=args.sync_after_updates,
                         lr_schedule=args.lr_schedule)
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:

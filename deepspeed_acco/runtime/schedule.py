@@ -198,14 +198,18 @@ class Schedule:
         """Whether the next update is one of the first ``warmup_sync_updates`` (synchronous ZeRO-1)."""
         return self.progress.global_steps < self.warmup_sync_updates
 
+    def _cooling_down_after(self, committed: int) -> bool:
+        """Whether updates after ``committed`` committed ones are synchronous (``sync_after_updates``)."""
+        return self.sync_after_updates is not None and committed >= self.sync_after_updates
+
     @property
     def in_sync_cooldown(self) -> bool:
         """Whether ``sync_after_updates`` updates are committed: every further one is synchronous."""
-        return self.sync_after_updates is not None and self.progress.global_steps >= self.sync_after_updates
+        return self._cooling_down_after(self.progress.global_steps)
 
     def cooldown_starts_with_next_commit(self) -> bool:
         """Whether the commit about to be launched is the last of the type's rule (``sync_after_updates``)."""
-        return self.sync_after_updates is not None and self.progress.global_steps + 1 >= self.sync_after_updates
+        return self._cooling_down_after(self.progress.global_steps + 1)
 
     @property
     def in_sync_update(self) -> bool:
