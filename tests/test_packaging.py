@@ -27,7 +27,15 @@ CHECK = textwrap.dedent("""
     hyper = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
     ops.adamw_step(param, grad, m, v, **hyper)
     ops.reference.adamw_step(ref[0], grad, ref[1], ref[2], **hyper)
-    assert torch.allclose(param, ref[0], rtol=1e-6, atol=1e-7)
+    # Within 1e-6 of the tensor's magnitude, the rule of tests/test_ops_kernels.py: the fused
+    # kernel gives the same bits on every x86 ISA, but torch's fp32 reference does not (its sqrt,
+    # lerp and addcdiv take different vector paths on different CPUs), and where theta * decay
+    # nearly cancels the update, one last bit of the operands is many ulps of the result.
+    scale = ref[0].abs().max().item()
+    worst = (param - ref[0]).abs().argmax()
+    assert torch.allclose(param, ref[0], rtol=1e-6, atol=1e-6 * scale), (
+        f"element {worst.item()}: fused {param[worst].item()!r}, reference {ref[0][worst].item()!r}, "
+        f"scale {scale!r}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print("wheel ok:", location, CSRC_DIR)
 """)
 
