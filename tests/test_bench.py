@@ -222,6 +222,31 @@ def test_compute_only_lr_matches_deepspeed_schedulers():
     assert cmd[cmd.index("--lr-schedule") + 1] == "constant"
 
 
+def test_beta1_reaches_every_method_and_the_lone_replica(capsys):
+    # --beta1 sets AdamW's beta1 of DeepSpeed's config and of the compute-only baseline alike;
+    # the default keeps the bench's 0.9, and a value outside [0, 1) is refused naming the flag.
+    from deepspeed_acco.bench.__main__ import build_parser, worker_args
+    from deepspeed_acco.bench.train import parse_args as train_args
+    assert build_parser().parse_args([]).beta1 == 0.9
+    args = build_parser().parse_args(["--beta1", "0.5"])
+    cmd = worker_args(args, "dpu", "/tmp/x")
+    assert cmd[cmd.index("--beta1") + 1] == "0.5"
+    worker = ["--method", "dpu", "--run-dir", "/tmp/x"]
+    assert train_args(worker + ["--beta1", "0.5"]).beta1 == 0.5 and train_args(worker).beta1 == 0.9
+    import torch
+    from deepspeed_acco.bench.train import _ComputeOnly
+    lone = _ComputeOnly(torch.nn.Linear(2, 2), train_args(worker + ["--beta1", "0.5", "--precision", "fp32"]), 1)
+    assert lone.opt.param_groups[0]["betas"] == (0.5, 0.95)
+    for method in ("zero1", "dpu", "acco", "co2"):
+        cfg = ds_config(method, world_size=2, micro_batch=4, grad_accum=2, lr=1e-3, total_updates=30, warmup=5,
+                        betas=(0.5, 0.95))
+        assert cfg["optimizer"]["params"]["betas"] == [0.5, 0.95], method
+    for bad in ("1", "1.2", "-0.1", "high"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--beta1", bad])
+        assert "--beta1: expected a number in [0, 1)" in capsys.readouterr().err
+
+
 def test_bounds_and_comm_round():
     # 2 ranks, 1M fp32 values over one shared 1 Gbit/s loopback: 2 * 1 * 4 MB * 8 bit = 64 Mbit -> 64 ms.
     t_comm = report.comm_round_seconds(1_000_000, 2, 1e9)

@@ -141,3 +141,21 @@ def test_position_loss_reads_saved_vectors_and_agrees_with_the_study_evaluation(
     assert report["runs"]["same"]["all"]["gap"] == 0.0 and report["runs"]["same"]["all"]["gap_se"] == 0.0
     assert report["runs"]["initial"]["all"]["gap"] > 0  # six updates lower the loss of the initial weights
     assert "trained" in capsys.readouterr().out
+
+
+def test_delay_stability_edges_match_the_closed_forms():
+    # docs/dpu_convergence.md: with momentum beta1, synchronous AdamW (frozen preconditioner) is
+    # stable up to lr*h = 2 (1 + beta1) / (1 - beta1), DPU's one-update-stale gradient only up to 1
+    # whatever beta1 is, and ACCO's half-batch estimate in between, at 2 / (1 - beta1) (found
+    # numerically; equal to sync at beta1 = 0).
+    stab = _load("delay_stability")
+    for beta in (0.0, 0.5, 0.9):
+        sync, dpu, acco = (stab.edge(rule, beta, hi=2e3 if rule == "sync" else 50.0) for rule in ("sync", "dpu", "acco"))
+        assert sync == pytest.approx(2 * (1 + beta) / (1 - beta), rel=1e-6), beta
+        assert dpu == pytest.approx(1.0, rel=1e-6), beta
+        assert acco == pytest.approx(2 / (1 - beta), rel=1e-6), beta
+        # Just inside the edge the error shrinks, just outside it grows.
+        for rule, a in (("sync", sync), ("dpu", dpu), ("acco", acco)):
+            assert stab.spectral_radius(rule, beta, 0.99 * a) < 1 < stab.spectral_radius(rule, beta, 1.01 * a), rule
+    with pytest.raises(ValueError, match="unknown rule 'zero3'"):
+        stab.transition("zero3", 0.9, 1.0)

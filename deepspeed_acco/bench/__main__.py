@@ -69,6 +69,16 @@ def _seeds(text: str) -> List[int]:
     return list(dict.fromkeys(seeds))
 
 
+def _beta1(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 0.9, got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -135,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the warm-up: decay (DeepSpeed's WarmupDecayLR, linearly to lr/10 at --updates) or "
                         "constant (WarmupLR: lr to the end, to tell effects of the decay from effects of length)")
     g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--beta1", type=_beta1, default=0.9,
+                   help="AdamW's beta1 for every method (beta2 stays 0.95); to study how momentum and a stale "
+                        "gradient interact (docs/dpu_convergence.md)")
     g.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
     g.add_argument("--data", default=None,
                    help="text file, folder of text files, or Hugging Face dataset name[:config] "
@@ -181,6 +194,7 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
            "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
            "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--precision", args.precision,
            "--lr", repr(args.lr), "--warmup", str(args.warmup), "--lr-schedule", args.lr_schedule, "--weight-decay", repr(args.weight_decay),
+           "--beta1", repr(args.beta1),
            "--clip", repr(args.clip), "--seed", str(seed), "--local-steps", str(args.local_steps),
            "--warmup-sync-updates", str(args.warmup_sync_updates), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
     if args.sync_after_updates is not None:
@@ -305,7 +319,7 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
             continue
         cfg = ds_config(m, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum, lr=args.lr,
                         total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
-                        local_steps=args.local_steps, bf16=args.precision == "bf16",
+                        betas=(args.beta1, 0.95), local_steps=args.local_steps, bf16=args.precision == "bf16",
                         warmup_sync_updates=args.warmup_sync_updates, lr_schedule=args.lr_schedule,
                         sync_after_updates=args.sync_after_updates,
                         co2_options=co2_options(argparse.Namespace(

@@ -79,9 +79,12 @@ def _link_heading(label: str, link: dict) -> str:
 
 def _schedule_note(args) -> str:
     """Nothing for the default schedule (linear warm-up, then linear decay to lr/10 at --updates)."""
+    note = ""
     if getattr(args, "lr_schedule", "decay") == "constant":
-        return f" (constant after {args.warmup} warm-up updates: --lr-schedule constant)"
-    return ""
+        note = f" (constant after {args.warmup} warm-up updates: --lr-schedule constant)"
+    if getattr(args, "beta1", 0.9) != 0.9:
+        note += f"; AdamW beta1 {args.beta1:g} (--beta1)"
+    return note
 
 
 def finish(args, out, results, failed, meta, rates) -> None:

@@ -68,6 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--lr-schedule", default="decay", choices=LR_SCHEDULES)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local-steps", type=int, default=12)
@@ -127,7 +128,7 @@ class _ComputeOnly:
             self.masters = list(model.parameters())
         self.module = model
         self.opt = torch.optim.AdamW(self.masters, lr=warmup_decay_lr(0, args.lr, args.warmup, args.updates, args.lr_schedule),
-                                     betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+                                     betas=(args.beta1, 0.95), eps=1e-8, weight_decay=args.weight_decay)
         self.lr_at = lambda s: warmup_decay_lr(s, args.lr, args.warmup, args.updates, args.lr_schedule)
         self.global_steps, self.global_samples, self._micro = 0, 0, 0
         self.train_batch_size = args.micro_batch * args.grad_accum * world_size
@@ -279,7 +280,7 @@ def run(args) -> dict:
     else:
         cfg = ds_config(args.method, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                         lr=args.lr, total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay,
-                        clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
+                        betas=(args.beta1, 0.95), clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
                         bf16=args.precision == "bf16", torch_adam=not torch.cuda.is_available(),
                         warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args),
                         sync_after_updates=args.sync_after_updates,
