@@ -146,16 +146,25 @@ def test_position_loss_reads_saved_vectors_and_agrees_with_the_study_evaluation(
 def test_delay_stability_edges_match_the_closed_forms():
     # docs/dpu_convergence.md: with momentum beta1, synchronous AdamW (frozen preconditioner) is
     # stable up to lr*h = 2 (1 + beta1) / (1 - beta1), DPU's one-update-stale gradient only up to 1
-    # whatever beta1 is, and ACCO's half-batch estimate in between, at 2 / (1 - beta1) (found
-    # numerically; equal to sync at beta1 = 0).
+    # whatever beta1 is, and ACCO's half-batch estimate in between, at 2 / (1 - beta1): its
+    # eigenvalues are the synchronous ones and the estimate error's factor -(1 - beta1) lr h / 2.
+    import numpy as np
     stab = _load("delay_stability")
-    for beta in (0.0, 0.5, 0.9):
-        sync, dpu, acco = (stab.edge(rule, beta, hi=2e3 if rule == "sync" else 50.0) for rule in ("sync", "dpu", "acco"))
+    for beta in (0.0, 0.5, 0.9, 0.99):
+        sync, dpu, acco = (stab.edge(rule, beta) for rule in ("sync", "dpu", "acco"))
         assert sync == pytest.approx(2 * (1 + beta) / (1 - beta), rel=1e-6), beta
         assert dpu == pytest.approx(1.0, rel=1e-6), beta
         assert acco == pytest.approx(2 / (1 - beta), rel=1e-6), beta
+        a = 0.7 * acco
+        acco_eigs = sorted(np.linalg.eigvals(stab.transition("acco", beta, a)), key=lambda z: (z.real, z.imag))
+        want = sorted(list(np.linalg.eigvals(stab.transition("sync", beta, a))) + [-(1 - beta) * a / 2],
+                      key=lambda z: (z.real, z.imag))
+        np.testing.assert_allclose(acco_eigs, want, atol=1e-9)
         # Just inside the edge the error shrinks, just outside it grows.
         for rule, a in (("sync", sync), ("dpu", dpu), ("acco", acco)):
             assert stab.spectral_radius(rule, beta, 0.99 * a) < 1 < stab.spectral_radius(rule, beta, 1.01 * a), rule
+    # Extrapolating the stale point by k = 0 is DPU itself; at beta1 0.9 even k = 1 stays far below sync.
+    assert stab.edge("dpu-extrapolated", 0.9, k=0.0) == pytest.approx(1.0, rel=1e-6)
+    assert 2.6 < stab.edge("dpu-extrapolated", 0.9, k=1.0) < 2.8
     with pytest.raises(ValueError, match="unknown rule 'zero3'"):
         stab.transition("zero3", 0.9, 1.0)
