@@ -7,8 +7,8 @@ denominator is heavy-ball momentum: m' = beta1 m + (1 - beta1) g, x' = x - lr m'
 bias correction left out). The rules differ only in where g is taken:
 
 - sync (ZeRO-1, ShardedAdamW): g = h x_t.
-- DPU (DESIGN 3.2): g = h x_{t-1}, one update stale.
-- ACCO (DESIGN 3.3): g = h (x~_t + x_t) / 2, where the estimate x~_{t+1} is AdamW's step from x_t
+- DPU (docs/design.md 3.2): g = h x_{t-1}, one update stale.
+- ACCO (docs/design.md 3.3): g = h (x~_t + x_t) / 2, where the estimate x~_{t+1} is AdamW's step from x_t
   with the momentum and the gradient taken at x~_t (Peek), without changing the state.
 
 For each rule and beta1 this prints the largest lr * h for which every eigenvalue of the linear
