@@ -310,7 +310,7 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
     yet), with the engine's message; checked before any job starts, with the engine's own parser."""
     from deepspeed_acco.config import parse_config
 
-    from .methods import ds_config
+    from .methods import BETA2, ds_config
     from .train import co2_options
     world = args.nodes * args.ranks_per_node
     out = {}
@@ -319,7 +319,7 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
             continue
         cfg = ds_config(m, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum, lr=args.lr,
                         total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
-                        betas=(args.beta1, 0.95), local_steps=args.local_steps, bf16=args.precision == "bf16",
+                        betas=(args.beta1, BETA2), local_steps=args.local_steps, bf16=args.precision == "bf16",
                         warmup_sync_updates=args.warmup_sync_updates, lr_schedule=args.lr_schedule,
                         sync_after_updates=args.sync_after_updates,
                         co2_options=co2_options(argparse.Namespace(

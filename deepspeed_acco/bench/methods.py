@@ -152,8 +152,12 @@ def parse_variant(text: str) -> Variant:
     return Variant(METHODS[base], tuple(modifiers))
 
 
+# AdamW's beta2 for every method and the lone replica; beta1 is --beta1 (0.9 by default).
+BETA2 = 0.95
+
+
 def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int, lr: float, total_updates: int,
-              warmup: int, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
+              warmup: int, betas=(0.9, BETA2), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
               local_steps: int = 12, dynamic_accumulation: bool = False, bf16: bool = False,
               torch_adam: bool = True, co2_options: Optional[dict] = None, warmup_sync_updates: int = 0,
               lr_schedule: str = "decay", sync_after_updates: Optional[int] = None) -> dict:

@@ -118,7 +118,7 @@ class _ComputeOnly:
 
     def __init__(self, model, args, world_size):
         import torch
-        from .methods import warmup_decay_lr
+        from .methods import BETA2, warmup_decay_lr
         self.args, self.torch = args, torch
         self.bf16 = args.precision == "bf16"
         if self.bf16:
@@ -128,7 +128,7 @@ class _ComputeOnly:
             self.masters = list(model.parameters())
         self.module = model
         self.opt = torch.optim.AdamW(self.masters, lr=warmup_decay_lr(0, args.lr, args.warmup, args.updates, args.lr_schedule),
-                                     betas=(args.beta1, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+                                     betas=(args.beta1, BETA2), eps=1e-8, weight_decay=args.weight_decay)
         self.lr_at = lambda s: warmup_decay_lr(s, args.lr, args.warmup, args.updates, args.lr_schedule)
         self.global_steps, self.global_samples, self._micro = 0, 0, 0
         self.train_batch_size = args.micro_batch * args.grad_accum * world_size
@@ -250,7 +250,7 @@ def run(args) -> dict:
     import torch.distributed as dist
 
     from .data import WindowSampler, load_corpus, validation_windows
-    from .methods import ds_config
+    from .methods import BETA2, ds_config
     from .models import build_model, count_parameters
 
     t_proc = time.perf_counter()
@@ -280,7 +280,7 @@ def run(args) -> dict:
     else:
         cfg = ds_config(args.method, world_size=world, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                         lr=args.lr, total_updates=args.updates, warmup=args.warmup, weight_decay=args.weight_decay,
-                        betas=(args.beta1, 0.95), clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
+                        betas=(args.beta1, BETA2), clip=args.clip, local_steps=args.local_steps, dynamic_accumulation=args.dynamic_accumulation,
                         bf16=args.precision == "bf16", torch_adam=not torch.cuda.is_available(),
                         warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args),
                         sync_after_updates=args.sync_after_updates,
