@@ -137,3 +137,16 @@ def test_validation_windows_are_fixed_and_non_overlapping():
     assert w4.shape == (4, 100) and w4[0, 0] == 0 and w4[-1, -1] == val[-1]
     with pytest.raises(ValueError):
         data.validation_windows(val[:50], ctx=100, n=4)
+
+
+def test_folder_lists_a_symlinked_file_once(tmp_path):
+    # Debian's fortunes package ships "art" and "art.u8 -> art": both names would otherwise be listed and
+    # could fall on both sides of the train/validation split.
+    root = tmp_path / "text"
+    root.mkdir()
+    for i in range(6):
+        (root / f"f{i}").write_text(f"file {i}\n" * 50)
+        os.symlink(f"f{i}", root / f"f{i}.u8")
+    (root / "sub").mkdir()
+    os.symlink("../f0", root / "sub" / "again")
+    assert data.list_text_files(str(root)) == [f"f{i}" for i in range(6)]

@@ -89,14 +89,23 @@ def _looks_like_text(path: str) -> bool:
 
 
 def list_text_files(folder: str) -> List[str]:
-    """Relative paths (sorted) of the regular, non-hidden files under ``folder`` that look like text."""
-    out = []
+    """Relative paths (sorted) of the regular, non-hidden files under ``folder`` that look like text.
+
+    A file reached under several names (symbolic links, as Debian's ``fortunes`` package has ``art.u8
+    -> art``) is listed once, under the first name the walk meets: listed twice, its copies could
+    land on both sides of the train/validation split and leak held-out text into training.
+    """
+    out, seen = [], set()
     for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-        for name in filenames:
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for name in sorted(filenames):
             path = os.path.join(dirpath, name)
             if name.startswith(".") or not os.path.isfile(path) or not _looks_like_text(path):
                 continue
+            real = os.path.realpath(path)
+            if real in seen:
+                continue
+            seen.add(real)
             out.append(os.path.relpath(path, folder).replace(os.sep, "/"))
     return sorted(out)
 
