@@ -462,22 +462,65 @@ def nccl_version() -> Optional[tuple]:
     return tuple(version) if isinstance(version, (tuple, list)) else None
 
 
+def nccl_communicators_in_use() -> List[str]:
+    """Names of this process's torch process groups whose NCCL communicators already exist.
+
+    torch creates a group's NCCL communicator at the group's first collective (or at
+    ``init_process_group(device_id=...)``); NCCL reads its environment then or at its first launch.
+    """
+    from torch.distributed import distributed_c10d
+
+    names = []
+    world = distributed_c10d._world
+    for group, (backend_name, _store) in list(world.pg_map.items()):
+        if "nccl" not in str(backend_name):
+            continue
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except (RuntimeError, ValueError):  # the group has no CUDA backend
+            continue
+        is_initialized = getattr(backend, "_is_initialized", None)
+        if is_initialized is not None and is_initialized():
+            names.append(str(world.pg_names.get(group, "?")))
+    return names
+
+
+# The NCCL process groups that already had communicators when the engine set
+# NCCL_LAUNCH_ORDER_IMPLICIT itself (empty: it was set before any NCCL use, or by the user).
+_launch_order_set_after: List[str] = []
+
+
 def prepare_nccl_environment() -> None:
     """Ask NCCL to order several communicators' operations by host issue order (before its first launch).
 
-    Respects a value the user set. NCCL reads the variable once, at the process's first NCCL
-    kernel launch; the engine calls this before its first collective, which is in time unless the
-    script ran NCCL collectives before ``initialize`` (then set it in the launch environment).
+    Respects a value the user set. NCCL reads the variable once per process, at its first
+    communicator or launch: if a torch NCCL group already has a communicator when the engine sets
+    it (the script ran an NCCL collective or barrier before ``initialize``, as Accelerate and the HF
+    Trainer do, or created its group with ``device_id``), the ordering may not be in effect. Then
+    this warns once, with the fix (export the variable in the launch environment), and
+    :func:`nccl_orders_by_host` answers False, so the engine's jobs share one side stream.
     """
-    if NCCL_LAUNCH_ORDER_ENV not in os.environ:
-        os.environ[NCCL_LAUNCH_ORDER_ENV] = "1"
+    if NCCL_LAUNCH_ORDER_ENV in os.environ:
+        return
+    in_use = nccl_communicators_in_use()
+    os.environ[NCCL_LAUNCH_ORDER_ENV] = "1"
+    if in_use:
+        _launch_order_set_after[:] = in_use
+        logger.warning("deepspeed_acco: %s was not set when this process started using NCCL (process groups %s "
+                       "already have NCCL communicators), and NCCL reads it only once, so the engine cannot rely on "
+                       "NCCL ordering its communicators' launches by host order: its jobs share one side stream, "
+                       "and a collective of your own must not run while a job is in flight (docs/gpu.md). To "
+                       "keep the ordering, set %s=1 in the environment before launching (e.g. `%s=1 deepspeed "
+                       "train.py`, or `export %s=1`), or in the script before any NCCL use.",
+                       NCCL_LAUNCH_ORDER_ENV, ", ".join(in_use), NCCL_LAUNCH_ORDER_ENV, NCCL_LAUNCH_ORDER_ENV,
+                       NCCL_LAUNCH_ORDER_ENV)
 
 
 def nccl_orders_by_host() -> bool:
     """Whether NCCL executes operations of different communicators in host issue order."""
     version = nccl_version()
     return (version is not None and version >= NCCL_LAUNCH_ORDER_MIN_VERSION
-            and os.environ.get(NCCL_LAUNCH_ORDER_ENV) == "1")
+            and os.environ.get(NCCL_LAUNCH_ORDER_ENV) == "1" and not _launch_order_set_after)
 
 
 # ---- control plane ---------------------------------------------------------------------------
@@ -578,7 +621,7 @@ class Lane:
         self._streams: Dict[Any, torch.cuda.Stream] = {}
         self._in_flight: List[Work] = []
         self._closed = False
-        if self.inline and shared_stream:
+        if self.inline and shared_stream and not _launch_order_set_after:  # else prepare_nccl_environment warned
             logger.warning("deepspeed_acco: NCCL %s cannot order several communicators by host issue order (needs "
                            ">= %s with %s=1); the engine's jobs share one side stream, so CO2's outer averaging does "
                            "not overlap its group steps, and collectives of your own must not run while a job is in "

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..config import load_config, optimizer_type, parse_config
 from .builder import device_for_backend
+from .comm import prepare_nccl_environment
 from .engine import AccoEngine
 
 
@@ -32,6 +33,13 @@ def _world_size_before_init() -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
+
+
+def _uses_nccl() -> bool:
+    """Whether this process's default group is, or will be (:func:`init_distributed`), an NCCL group."""
+    if dist.is_available() and dist.is_initialized():
+        return "nccl" in str(dist.get_backend())
+    return torch.cuda.is_available()
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -150,6 +158,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                          f"the argument (or pass None)")
     acco_config = parse_config(config_dict, _world_size_before_init())
     param_groups = _param_groups(model, model_parameters)
+    if _uses_nccl():
+        # Before our own groups exist; warns if an NCCL communicator of the script's predates it (docs/gpu.md).
+        prepare_nccl_environment()
     if dist_init_required is not False:
         init_distributed(acco_config.params.communication_timeout_s)
     elif not dist.is_initialized():
