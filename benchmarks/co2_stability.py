@@ -1,4 +1,4 @@
-"""Linear stability of CO2's outer iteration on a quadratic (docs/co2_convergence.md, section 3).
+"""Linear stability of CO2's outer iteration on a quadratic (docs/studies/co2_convergence.md, section 3).
 
 Model: along one eigen-direction of a quadratic with minimiser x*, a round of local training
 started at s ends, on average over replicas, at ybar = x* + (1 - r)(s - x*): the round removes a

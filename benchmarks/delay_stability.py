@@ -16,7 +16,7 @@ map has modulus below 1, found by bisection on the spectral radius (the error al
 grows without bound above it). h is an eigenvalue of the preconditioned Hessian P^-1 H; full-batch
 Adam's rises to the synchronous edge and hovers there (Cohen et al.), so a rule with a lower edge
 needs a lower preconditioned sharpness: a larger v (smaller steps) or flatter regions
-(docs/dpu_convergence.md). For ACCO the estimate's error e = x~ - x obeys e' = -(1 - beta1) lr h / 2 e,
+(docs/studies/dpu_convergence.md). For ACCO the estimate's error e = x~ - x obeys e' = -(1 - beta1) lr h / 2 e,
 so its eigenvalues are the synchronous ones and that factor: its edge is min(sync, 2 / (1 - beta1)).
 
     python benchmarks/delay_stability.py

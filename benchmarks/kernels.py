@@ -11,7 +11,7 @@ effective bandwidth (nominal bytes moved / time) of:
 * the ACCO reference's estimate: clone parameters and moments, step, copy out, restore
   (with fresh clones as it does, and with preallocated backups);
 
-and the block-quantisation kernels of compressed communication (issue 15, block 128):
+and the block-quantisation kernels of compressed communication (block 128; docs/kernels.md):
 
 * ``quantize`` with error feedback into the send buffer, int8 and int4 (read the input and the
   residual, write the residual, the codes and the scales: 12 + 1 + 4/128 bytes per value for
@@ -20,7 +20,7 @@ and the block-quantisation kernels of compressed communication (issue 15, block 
   chunks of 1 or 3 peers (4 + k * (1 + 4/128) + 4 bytes per value for int8);
 * ``apply_delta`` to a bf16 held copy, in place;
 
-then checks the targets of the kernels issues (docs/kernels.md). Nominal bytes per parameter:
+then checks the kernels' targets (docs/kernels.md). Nominal bytes per parameter:
 AdamW 28 (read theta, g, m, v; write theta, m, v), +2 or +4 for a bf16/fp32 output, Peek 16 + the
 output, copy 8. An estimate is credited with Peek's bytes, since it produces the same result.
 
@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 GPU_COPY_FRACTION_TARGET = 0.85
 QUANT_BLOCK = 128
-# Issue 15: quantise + send-buffer packing (and the owner's dequantise-sum) at >= 80% of the copy
-# roofline on CPU.
+# docs/kernels.md, "Compressed communication": quantise + send-buffer packing (and the owner's
+# dequantise-sum) at >= 80% of the copy roofline on CPU.
 CPU_QUANT_COPY_FRACTION_TARGET = 0.80
 QUANT_TARGET_CASES = ("quantize + pack, error feedback (int8)", "quantize + pack, error feedback (int4)",
                       "dequantize_sum: own + 1 peer (int8)")

@@ -2,7 +2,7 @@
 
 A byte-level model with a long context can lower its loss late in a window by copying from
 earlier in the same window (names, indentation, repeated code), which a short context cannot do.
-This tool asks whether the long-run gaps between methods (docs/acco_convergence.md) sit in that
+This tool asks whether the long-run gaps between methods (docs/studies/acco_convergence.md) sit in that
 part of the loss: for each saved vector (``benchmarks/acco_study.py --save-final``) it prints the
 mean next-byte cross-entropy over ``--windows`` held-out windows of the bench's corpus, overall
 and per band of target positions, and the paired difference of every vector from the first one
