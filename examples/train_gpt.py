@@ -46,8 +46,10 @@ def parse_args():
 
 # Optimizer params each type accepts besides lr, betas, eps and weight_decay (for --optimizer overrides).
 _EXTRA_PARAMS = {
-    "shardedadamw": {"overlap"}, "dpu": {"overlap"}, "acco": {"overlap", "dynamic_accumulation"},
-    "co2": {"overlap", "local_steps", "outer_lr", "outer_momentum", "gap_penalty", "clip_threshold", "group_size"},
+    "shardedadamw": {"overlap"}, "dpu": {"overlap", "warmup_sync_updates", "sync_after_updates"},
+    "acco": {"overlap", "dynamic_accumulation", "warmup_sync_updates", "sync_after_updates"},
+    "co2": {"overlap", "local_steps", "outer_lr", "outer_momentum", "gap_penalty", "clip_threshold", "group_size",
+            "anchor_merge_steps", "warmup_sync_updates"},
 }
 
 
