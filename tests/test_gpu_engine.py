@@ -24,6 +24,10 @@ import torch
 from distributed_utils import run_distributed
 from reference_sim import TinyNet, batch, flat_trainable, loss_fn, param_groups
 
+# Only our engine runs here (and the CPU engine to compare with), never DeepSpeed's: selecting these
+# tests prebuilds none of DeepSpeed's ops (tests/conftest.py), whose CUDA FusedAdam takes minutes.
+pytestmark = pytest.mark.without_deepspeed_ops
+
 CASES = [("ShardedAdamW", {}), ("DPU", {}), ("ACCO", {}), ("CO2", {"local_steps": 3})]
 MICRO_BATCHES = 24
 # GPU against CPU after 12 updates at lr 1e-2: matmul reductions differ in order (CUDA vs CPU
