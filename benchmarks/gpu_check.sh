@@ -1,150 +1,237 @@
 #!/usr/bin/env bash
-# The GPU check, prepared for a lent GPU machine (one H200 in this project), bounded to BUDGET_S
-# seconds (default 540, under the device tool's 10-minute limit per command):
+# The GPU check: one prepared run for a lent GPU machine (one H200 in this project, about 15 minutes
+# of device time per task, its start included), its steps in order of value, each under its own
+# time cap. What a step produces is in the output folder as soon as the step ends, and summary.txt
+# is rewritten before and after every step, so a run killed at any point still returns everything
+# before it. `--plan` prints the steps, their caps and the basis of each estimate.
 #
-#   1. environment   versions of the driver, nvcc, python, torch (CUDA, NCCL), deepspeed; installs
-#                    carried wheels (.whl/, made by benchmarks/gpu_wheels.sh) if deepspeed is missing
-#   2. build         the CUDA op (forced: a build failure fails the check) and the CPU op
-#   3. kernel_tests  CUDA kernels against the torch reference, the controlled (device-side) entry
-#                    points, nvcc compile checks, the lane's CUDA tests (tests/test_lane.py)
-#   4. engine_tests  tests/test_gpu_engine.py: the full pipeline at world size 1 over a real NCCL
-#                    group, every type, overlap on/off bitwise, CPU within tolerance, no host
-#                    synchronisation in steady state, a user all-reduce between steps
-#   5. e2e           benchmarks/e2e_step_time.py: ms/update of the example's GPT-Neo 125M for
-#                    ShardedAdamW, DPU, ACCO, CO2 with overlap on and off
-#   6. kernel_bench  benchmarks/kernels.py on 128M/256M shards against the measured device copy
-#                    bandwidth (target: adamw_step and adamw_peek >= 85% of it)
-#   7. example       examples/train_gpt.py for a few updates (tiny model), as a user runs it
+#   bash benchmarks/gpu_check.sh --plan      # the plan only (no GPU, no python needed)
+#   bash benchmarks/gpu_check.sh             # the check, with CUDA torch
+#   SIZES=128M bash benchmarks/gpu_check.sh  # the kernel benchmark at one size
 #
-# Each step gets at most its own cap and what is left of the budget; a step the budget cannot
-# start is reported NOT RUN. Exit status: 0 all passed, 1 a step failed, 2 a step did not run.
+# Through the device tool: run `bash benchmarks/gpu_wheels.sh` here first (deepspeed and its
+# dependencies as wheels, into .whl/), then
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
-#   bash benchmarks/gpu_check.sh                   # from anywhere, with CUDA torch
-#   BUDGET_S=900 SIZES=128M bash benchmarks/gpu_check.sh
-#
-# Through the device tool: run `bash benchmarks/gpu_wheels.sh` here first, then
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
-# Results go to $OUT (the device tool's folder) or a temporary directory: summary.txt,
-# steps.log (every step's output), e2e.json, gpu_benchmark.json (4 files).
+# Output folder: $OUT (the device tool's, which comes back) or build/gpu_check/<date-time>. At most
+# five files, none in a subfolder (the device tool returns at most 8, two folders deep), described
+# in docs/gpu.md ("The GPU check"):
+#   summary.txt      one line per step (PASS / FAIL / NOT RUN / RUNNING), rewritten at every step
+#   steps.log        every step's output, appended while it runs
+#   environment.txt  GPU, driver, nvcc, python, torch (CUDA, NCCL), deepspeed, our modules
+#   kernels.json     benchmarks/kernels.py on the GPU: every kernel against the device copy
+#   e2e.json         benchmarks/e2e_step_time.py: ms/update of the 125M model per type
+# Exit status: 0 every step passed, 1 a step failed, 2 a step did not run (budget spent).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+
+# The plan, in order of value: name|cap in seconds|basis of the estimate. The caps sum to 480 s,
+# which leaves a device call of 540 s a minute for the transfers, and the 15 minutes of device time
+# room for the machine's start. Nothing has run on a GPU yet: the bases are measurements on this
+# project's CPU machines and KINDS.md's H200 readings, with a margin.
+PLAN=(
+    "install|25|pip installs the 6 carried wheels (.whl/, benchmarks/gpu_wheels.sh) from local files, no index and no compile: a few seconds; skipped if deepspeed imports"
+    "environment|20|nvidia-smi, nvcc --version, and one python that imports torch, deepspeed and deepspeed_acco: about 10 s"
+    "build|120|our CUDA op for the device's architecture only (JIT: sm_90) and our CPU op, once, into build/torch_extensions; the two .cu files compile for sm_90 in 6 s and 5 s on 2 busy CPU cores here, each C++ frontend against torch's headers in 30-60 s, ninja runs them in parallel on 16 cores"
+    "kernel_tests|45|198 CUDA kernel and lane tests (tests/test_ops_kernels.py, test_quantize_kernels.py, test_lane.py, 'cuda' selection, no compile): sizes up to 1M, under a millisecond each on the GPU; pytest start and CUDA context 10-15 s"
+    "kernel_bench|60|benchmarks/kernels.py at 128M and 256M: about 20 cases x 2 sizes x 3 rounds x 0.25 s = 30 s, plus allocation; the copy moves about 4.3 TB/s (KINDS.md), so one 256M AdamW pass takes about 2 ms"
+    "engine_tests|120|tests/test_gpu_engine.py: 5 spawned processes (4 parity runs over every type, 1 without host synchronisation), each about 10 s of imports and NCCL set-up plus seconds of TinyNet steps; the CPU run about 20 s"
+    "e2e|65|benchmarks/e2e_step_time.py, 125M model, 4 types x overlap on/off, 2 + 2 x 6 updates each: model builds about 2 s each, updates tens of ms"
+    "example|25|examples/train_gpt.py with the tiny model for 6 updates, as a user runs it: imports and start-up dominate"
+)
+BUDGET_S=480
+
+field() { local IFS='|'; read -r -a parts <<<"$1"; echo "${parts[$2]}"; }
+cap_of() {
+    local entry
+    for entry in "${PLAN[@]}"; do
+        if [ "$(field "$entry" 0)" = "$1" ]; then field "$entry" 1; return; fi
+    done
+    echo "gpu_check.sh: no step named $1 in PLAN" >&2
+    exit 3
+}
+
+if [ "${1:-}" = "--plan" ]; then
+    echo "GPU check plan: steps in order of value, each under its own cap (seconds)"
+    total=0
+    index=0
+    for entry in "${PLAN[@]}"; do
+        index=$((index + 1))
+        cap=$(field "$entry" 1)
+        total=$((total + cap))
+        printf '%2d. %-13s %4d s   %s\n' "$index" "$(field "$entry" 0)" "$cap" "$(field "$entry" 2)"
+    done
+    printf 'total %d s (budget %d s)\n' "$total" "$BUDGET_S"
+    exit 0
+elif [ $# -gt 0 ]; then
+    echo "usage: bash benchmarks/gpu_check.sh [--plan]" >&2
+    exit 3
+fi
+
 REPO=$PWD
 STARTED=$SECONDS
-BUDGET_S=${BUDGET_S:-540}
 PY=${PYTHON:-python3}
 SIZES=${SIZES:-128M,256M}
-OUT=${OUT:-$(mktemp -d)}
+OUT=${OUT:-$REPO/build/gpu_check/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 : >"$OUT/steps.log"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$REPO/build/torch_extensions}
 export ACCO_GPU_CHECK=1  # tests/test_gpu_engine.py then insists on the fused CUDA kernels
-# The check's own NCCL settings are the engine's defaults; show what NCCL decides.
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 declare -a SUMMARY=()
 FAILED=0
 NOT_RUN=0
 
-remaining() { echo $((BUDGET_S - (SECONDS - STARTED))); }
+write_summary() {  # write_summary [LINE FOR THE STEP IN PROGRESS]
+    {
+        echo "GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), $((SECONDS - STARTED)) s of ${BUDGET_S} s; output in $OUT"
+        printf '%s\n' "${SUMMARY[@]}"
+        if [ $# -gt 0 ]; then echo "$1"; fi
+    } >"$OUT/summary.txt"
+}
 
-step() {  # step NAME CAP_S CMD...: runs CMD with a timeout of min(CAP_S, budget left), logs, records
-    local name=$1 cap=$2
-    shift 2
-    local left
-    left=$(remaining)
-    if [ "$left" -lt 20 ]; then
+step() {  # step NAME CMD...: run CMD under min(cap, budget left), log it, record the outcome
+    local name=$1
+    shift
+    local cap left limit start rc took shown
+    cap=$(cap_of "$name")
+    left=$((BUDGET_S - (SECONDS - STARTED)))
+    if [ "$left" -lt 10 ]; then
         SUMMARY+=("NOT RUN  $name (time budget spent)")
         NOT_RUN=1
+        write_summary
         return 2
     fi
-    local limit=$((cap < left ? cap : left))
-    local shown="$*"
-    echo "=== $name (limit ${limit}s, $((SECONDS - STARTED))s into the check): ${shown:0:200}" | tee -a "$OUT/steps.log"
-    local start=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$OUT/steps.log"
-    local rc=${PIPESTATUS[0]}
-    local took=$((SECONDS - start))
+    limit=$((cap < left ? cap : left))
+    write_summary "RUNNING  $name (limit ${limit} s, started $((SECONDS - STARTED)) s into the check)"
+    shown="$*"
+    shown=${shown//$'\n'/ }
+    echo "=== $name (limit ${limit} s, $((SECONDS - STARTED)) s into the check): ${shown:0:160}" | tee -a "$OUT/steps.log"
+    start=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$OUT/steps.log"
+    rc=${PIPESTATUS[0]}
+    took=$((SECONDS - start))
     if [ "$rc" -eq 0 ]; then
-        SUMMARY+=("PASS     $name (${took}s)")
+        SUMMARY+=("PASS     $name (${took} s of ${cap} s)")
     elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-        SUMMARY+=("FAIL     $name (timed out after ${took}s)")
+        SUMMARY+=("FAIL     $name (stopped at its limit, ${took} s)")
         FAILED=1
     else
-        SUMMARY+=("FAIL     $name (rc=$rc, ${took}s)")
+        SUMMARY+=("FAIL     $name (rc=$rc, ${took} s of ${cap} s)")
         FAILED=1
     fi
+    write_summary
     return "$rc"
 }
 
-finish() {
-    {
-        echo
-        echo "=== summary ($((SECONDS - STARTED))s of ${BUDGET_S}s; logs in $OUT)"
-        printf '%s\n' "${SUMMARY[@]}"
-        if [ -f "$OUT/e2e.json" ]; then
-            sed -n '/^| type | overlap on/,/^$/p' "$OUT/steps.log"
+finish() {  # record the steps not run, print the summary with the key results, exit
+    local entry name recorded
+    for entry in "${PLAN[@]}"; do
+        name=$(field "$entry" 0)
+        recorded=0
+        for line in "${SUMMARY[@]}"; do
+            case "$line" in *" $name ("*) recorded=1 ;; esac
+        done
+        if [ "$recorded" -eq 0 ]; then
+            SUMMARY+=("NOT RUN  $name (an earlier step failed)")
+            NOT_RUN=1
         fi
+    done
+    write_summary
+    {
+        sed -n '/^| type | overlap on/,/^$/p' "$OUT/steps.log"
         sed -n '/^### targets/,/targets met/p' "$OUT/steps.log"
         if [ "$FAILED" -ne 0 ]; then echo "GPU CHECK FAILED"
         elif [ "$NOT_RUN" -ne 0 ]; then echo "GPU CHECK INCOMPLETE"
         else echo "GPU CHECK PASSED"; fi
-    } | tee "$OUT/summary.txt"
+    } >>"$OUT/summary.txt"
+    echo
+    cat "$OUT/summary.txt"
     [ "$FAILED" -ne 0 ] && exit 1
     [ "$NOT_RUN" -ne 0 ] && exit 2
     exit 0
 }
 
-# deepspeed is not in the GPU image: install the carried wheels (benchmarks/gpu_wheels.sh).
-if ! "$PY" -c "import deepspeed" >/dev/null 2>&1 && compgen -G ".whl/*.whl" >/dev/null; then
-    echo "=== installing carried wheels: $(ls .whl | tr '\n' ' ')" | tee -a "$OUT/steps.log"
+# 1. install: deepspeed and its pydantic/hjson are not in the GPU image; the carried wheels are.
+install_wheels() {
+    if "$PY" -c "import deepspeed" >/dev/null 2>&1; then
+        echo "deepspeed already importable: nothing to install"
+        return 0
+    fi
+    if ! compgen -G ".whl/*.whl" >/dev/null; then
+        echo "deepspeed is missing and no wheels were carried: run benchmarks/gpu_wheels.sh here and carry .whl" >&2
+        return 1
+    fi
+    echo "installing $(ls .whl | tr '\n' ' ')"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/acco_site \
-        .whl/*.whl 2>&1 | tee -a "$OUT/steps.log"
-    export PYTHONPATH="$PYTHONPATH:/tmp/acco_site"
-fi
+        .whl/*.whl
+}
+export PYTHONPATH="$PYTHONPATH:/tmp/acco_site"
+export -f install_wheels
+export PY
+step install bash -c install_wheels || finish
 
-step environment 90 bash -c "
-    set -e
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-    if command -v nvcc >/dev/null; then nvcc --version | tail -n 2; else echo 'nvcc not on PATH'; fi
-    $PY - <<'EOF'
-import os, sys
+# 2. environment: what ran where, also in environment.txt.
+ENVIRONMENT_PY='
+import sys
 import torch
-print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda,
-      '| NCCL', torch.cuda.nccl.version() if torch.cuda.is_available() else None)
-assert torch.cuda.is_available(), 'torch.cuda.is_available() is False'
-print('device', torch.cuda.get_device_name(), 'capability', torch.cuda.get_device_capability(),
-      'count', torch.cuda.device_count())
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda)
+assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
+print("device", torch.cuda.get_device_name(), "| capability", torch.cuda.get_device_capability(),
+      "| count", torch.cuda.device_count(), "| NCCL", torch.cuda.nccl.version())
 from torch.utils.cpp_extension import CUDA_HOME, verify_ninja_availability
 verify_ninja_availability()
-print('CUDA_HOME', CUDA_HOME)
+print("CUDA_HOME", CUDA_HOME)
 import deepspeed, pytest, transformers
-print('deepspeed', deepspeed.__version__, '| pytest', pytest.__version__, '| transformers', transformers.__version__)
+print("deepspeed", deepspeed.__version__, "| pytest", pytest.__version__, "| transformers", transformers.__version__)
 import deepspeed_acco
 from deepspeed_acco.runtime import comm
-print('deepspeed_acco', deepspeed_acco.__file__, '| NCCL orders communicators by host order once the engine '
-      'sets', comm.NCCL_LAUNCH_ORDER_ENV, ':', comm.nccl_version() >= comm.NCCL_LAUNCH_ORDER_MIN_VERSION)
-EOF
-" || finish
+print("deepspeed_acco", deepspeed_acco.__file__)
+print("NCCL orders communicators by host order once", comm.NCCL_LAUNCH_ORDER_ENV, "is 1:",
+      comm.nccl_version() >= comm.NCCL_LAUNCH_ORDER_MIN_VERSION)
+'
+environment() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader || return 1
+    if command -v nvcc >/dev/null; then nvcc --version | tail -n 2; else echo "nvcc not on PATH"; fi
+    "$PY" -c "$ENVIRONMENT_PY"
+}
+export -f environment
+export ENVIRONMENT_PY
+step environment bash -c 'environment 2>&1 | tee "$0"; exit "${PIPESTATUS[0]}"' "$OUT/environment.txt" || finish
 
-step build 360 env DEEPSPEED_ACCO_KERNELS=cuda "$PY" - <<'EOF' || finish
+# 3. build: our CUDA op (a build failure fails the check: no silent fallback) and our CPU op, once.
+BUILD_PY='
 import time
 from deepspeed_acco.op_builder import AccoCPUOpsBuilder, AccoCUDAOpsBuilder
-
 for builder in (AccoCUDAOpsBuilder(), AccoCPUOpsBuilder()):
     assert builder.is_compatible(verbose=True), builder.error_log
     start = time.time()
     module = builder.load(verbose=False)
     print(f"{builder.absolute_name()} loaded from {module.__file__} in {time.time() - start:.1f} s", flush=True)
-EOF
+'
+step build env DEEPSPEED_ACCO_KERNELS=cuda "$PY" -c "$BUILD_PY" || finish
 
-step kernel_tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops_kernels.py -k "cuda or nvcc" \
-    tests/test_lane.py
-step engine_tests 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_engine.py
-step e2e 240 "$PY" benchmarks/e2e_step_time.py --json "$OUT/e2e.json"
-step kernel_bench 180 "$PY" benchmarks/kernels.py --device cuda --sizes "$SIZES" --json "$OUT/gpu_benchmark.json" \
-    --strict
-step example 120 "$PY" examples/train_gpt.py --deepspeed_config examples/configs/acco.json --model tiny --ctx 64 \
+# 4. kernel_tests: the CUDA kernels against the torch reference, the controlled entry points, the
+# lane's CUDA tests. No compile: the nvcc checks duplicate the build step, and no test selected
+# here is multi-process, so tests/conftest.py prebuilds nothing.
+step kernel_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops_kernels.py tests/test_quantize_kernels.py \
+    tests/test_lane.py -k "cuda and not nvcc and not compiles"
+
+# 5. kernel_bench: every kernel's bandwidth against the device copy measured in the same run.
+step kernel_bench "$PY" benchmarks/kernels.py --device cuda --sizes "$SIZES" --json "$OUT/kernels.json" --strict
+
+# 6. engine_tests: world size 1 over a real NCCL group: parity with the CPU engine and between
+# overlap on and off, and no host synchronisation in steady state. The tests carry
+# without_deepspeed_ops, so pytest builds none of DeepSpeed's ops (its CUDA FusedAdam).
+step engine_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_engine.py
+
+# 7. e2e: ms/update of the example's 125M model per type, overlap on and off.
+step e2e "$PY" benchmarks/e2e_step_time.py --warmup 2 --updates 6 --repeats 2 --json "$OUT/e2e.json"
+
+# 8. example: the example script as a user runs it.
+step example "$PY" examples/train_gpt.py --deepspeed_config examples/configs/acco.json --model tiny --ctx 64 \
     --steps 6 --log-every 2 --val-windows 8
 finish
