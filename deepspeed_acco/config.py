@@ -122,7 +122,10 @@ class EngineConfig:
     precision: str = "fp32"
     """Model/compute dtype: "fp32", "bf16" or "fp16" (master weights and optimizer state are always fp32)."""
     communication_dtype: str = "fp32"
-    """dtype of the gradient reduce-scatter ("fp32" or "bf16"); the all-gather uses the model dtype."""
+    """dtype of the gradient reduce-scatter ("fp32", "bf16" or "fp16"; the all-gather uses the model dtype):
+    ``communication_data_type`` when given, else the model's dtype, DeepSpeed's rule (docs/design.md, 3.6)."""
+    communication_dtype_given: bool = False
+    """Whether ``communication_data_type`` was in the config (False: the dtype follows DeepSpeed's rule)."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Quantised reduce-scatter / all-gather (``zero_quantized_gradients`` / ``zero_quantized_weights``)."""
     gradient_clipping: float = 0.0
@@ -201,8 +204,8 @@ TOP_LEVEL_KEYS: Dict[str, Callable[[str, Any], None]] = {
         "remove the section (our optimizers are data-parallel only)"),
     "gradient_allreduce_op": _reject_when(lambda v: str(v).lower() not in ("mean", "avg", "average"),
                                           "set it to \"mean\": every update averages the micro-batches' gradients"),
-    "prescale_gradients": _reject_when(_truthy, "set it to false: our jobs average after the reduce-scatter, "
-                                       "in fp32 unless communication_data_type says otherwise"),
+    "prescale_gradients": _reject_when(_truthy, "set it to false: our jobs average after the reduce-scatter "
+                                       "(fp16 reductions are pre-divided, as DeepSpeed's)"),
     "gradient_predivide_factor": _reject_when(lambda v: v != 1.0, "set it to 1.0 (our jobs average after the "
                                               "reduce-scatter)"),
     "disable_allgather": _reject_when(_truthy, "set it to false"),
@@ -331,9 +334,10 @@ def _parse_zero(zero: Any, kind: str) -> Tuple[bool, bool]:
 _FORMAT_PARAMS = ("quantization_bits", "quantization_block_size")
 
 
-def _parse_compression(zero: Any, params: Any, raw_params: Dict[str, Any], communication_dtype: str,
+def _parse_compression(zero: Any, params: Any, raw_params: Dict[str, Any], communication_dtype: Optional[str],
                        kind: str) -> CompressionConfig:
-    """ZeRO++'s switches with our format params (docs/design.md, 3.7)."""
+    """ZeRO++'s switches with our format params (docs/design.md, 3.7); ``communication_dtype``: the
+    ``communication_data_type`` the config gives (None: not given)."""
     gradients, weights = _parse_zero(zero, kind)
     if not (gradients or weights):
         for key in _FORMAT_PARAMS:
@@ -342,7 +346,7 @@ def _parse_compression(zero: Any, params: Any, raw_params: Dict[str, Any], commu
                                    "off", "set zero_optimization.zero_quantized_gradients and/or "
                                    "zero_quantized_weights to true, or remove it")
         return CompressionConfig()
-    if gradients and communication_dtype != "fp32":
+    if gradients and communication_dtype not in (None, "fp32"):
         raise config_error("communication_data_type", f"{communication_dtype!r} with zero_optimization."
                            "zero_quantized_gradients: the compressed reduce-scatter quantises fp32 gradient sums and "
                            "adds what it receives in fp32", "set it to \"fp32\" or remove it (compression already "
@@ -409,6 +413,31 @@ def _check_bf16(section: Any) -> None:
     _warn_unknown("bf16", section, _BF16_KEYS)
 
 
+def _parse_communication_dtype(value: Any, precision: str) -> Optional[str]:
+    """``communication_data_type`` as one of our dtype names, or None when the config does not give it."""
+    if value is None:
+        return None
+    dtype = _DTYPE_NAMES.get(str(value).lower())
+    if dtype is None:
+        raise config_error("communication_data_type", f"{value!r} is not supported by our optimizers",
+                           "use \"fp32\", \"bf16\" or \"fp16\" (or remove it: the model's dtype, as in DeepSpeed)")
+    if dtype == "fp16" and precision != "fp16":
+        raise config_error("communication_data_type", f"\"fp16\" with a {precision} model: fp16 gradients stay in "
+                           "range only under fp16's loss scale", "use \"bf16\" or \"fp32\", or enable fp16")
+    return dtype
+
+
+def resolve_communication_dtype(given: Optional[str], precision: str, compressed_gradients: bool) -> str:
+    """The dtype gradients are reduced in (docs/design.md, 3.6), DeepSpeed's rule: ``communication_data_type``
+    when given, else the model's dtype (bf16 under bf16, fp16 under fp16 with the loss scale, fp32 in fp32).
+    With compressed gradients the reduce-scatter quantises fp32 sums, so their buffers are fp32."""
+    if given is not None:
+        return given
+    if compressed_gradients:
+        return "fp32"
+    return precision
+
+
 def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
     """Validate a DeepSpeed config that selects one of our optimizer types; raise ValueError on mistakes."""
     section = config.get("optimizer")
@@ -433,16 +462,10 @@ def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
     precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     fp16_loss_scale = _parse_fp16(config["fp16"]) if fp16 else {}
 
-    communication = config.get("communication_data_type")
-    if communication is None:
-        communication_dtype = "fp32"
-    else:
-        communication_dtype = _DTYPE_NAMES.get(str(communication).lower())
-        if communication_dtype not in ("fp32", "bf16"):
-            raise config_error("communication_data_type", f"{communication!r} is not supported by our optimizers",
-                               "use \"fp32\" or \"bf16\"")
+    given = _parse_communication_dtype(config.get("communication_data_type"), precision)
     compression = _parse_compression(config.get("zero_optimization"), params, section.get("params", {}) or {},
-                                     communication_dtype, kind)
+                                     given, kind)
+    communication_dtype = resolve_communication_dtype(given, precision, compression.gradients)
     data_types = config.get("data_types") or {}
     accumulation_dtype = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
     if accumulation_dtype is not None and _DTYPE_NAMES.get(str(accumulation_dtype).lower()) != "fp32":
@@ -453,7 +476,8 @@ def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
     if clipping < 0:
         raise config_error("gradient_clipping", f"must be >= 0, got {clipping}", "use 0 to disable clipping")
     return EngineConfig(optimizer_type=kind, params=params, batch=batch, world_size=world_size, precision=precision,
-                        communication_dtype=communication_dtype, compression=compression,
+                        communication_dtype=communication_dtype, communication_dtype_given=given is not None,
+                        compression=compression,
                         gradient_clipping=clipping,
                         steps_per_print=_parse_steps_per_print(config.get("steps_per_print", 10)),
                         wall_clock_breakdown=boolean("wall_clock_breakdown", config.get("wall_clock_breakdown", False)),

@@ -63,7 +63,13 @@ INVALID = [
     ("clip-negative", with_changes("CO2", params={"clip_threshold": -1}), "optimizer.params.clip_threshold"),
     ("group-size-zero", with_changes("CO2", params={"group_size": 0}), "optimizer.params.group_size"),
     ("group-size-not-divisor", with_changes("CO2", params={"group_size": 2}), "optimizer.params.group_size"),
-    ("merge-steps-zero", with_changes("CO2", params={"anchor_merge_steps": 0}), "optimizer.params.anchor_merge_steps"),
+    ("merge-steps-negative", with_changes("CO2", params={"anchor_merge_steps": -1}),
+     "optimizer.params.anchor_merge_steps"),
+    ("warmup-auto-on-co2", with_changes("CO2", params={"warmup_sync_updates": "auto"}),
+     "optimizer.params.warmup_sync_updates"),
+    ("warmup-word", with_changes(params={"warmup_sync_updates": "sixth"}), "optimizer.params.warmup_sync_updates"),
+    ("communication-fp16-without-fp16", with_changes(communication_data_type="fp16", bf16={"enabled": True}),
+     "communication_data_type"),
     ("merge-steps-past-round", with_changes("CO2", params={"anchor_merge_steps": 13}),
      "optimizer.params.anchor_merge_steps"),
     ("merge-with-adaptive-penalty", with_changes("CO2", params={"anchor_merge_steps": 1, "gap_penalty": "adaptive"}),
@@ -131,9 +137,10 @@ def test_defaults_follow_torch_adamw_and_the_design():
     co2 = parse_config(with_changes("co2"), world_size=4).params  # type names are case-insensitive
     assert isinstance(co2, CO2Params)
     assert (co2.local_steps, co2.outer_lr, co2.outer_momentum, co2.gap_penalty, co2.clip_threshold,
-            co2.group_size) == (12, 0.5, 0.0, 1.0, None, 1)
+            co2.group_size) == (4, 0.5, 0.0, 1.0, None, 1)  # docs/design.md 3.5: eager merge, local_steps 4
     assert (co2.anchor_merge_steps, co2.outer_nesterov, co2.normalize_by_inner_lr, co2.warmup_sync_updates) == \
-        (None, False, False, 0)
+        (1, False, False, 0)
+    assert parsed.params.warmup_sync_updates == "auto" and parsed.params.sync_after_updates is None
     # ACCO's odd accumulation is fine with dynamic accumulation.
     parse_config(with_changes(params={"dynamic_accumulation": True}, gradient_accumulation_steps=3), world_size=2)
 
@@ -167,9 +174,10 @@ def test_co2_warns_when_the_outer_rule_is_outside_its_stable_range():
     try:
         parse_config(with_changes("CO2"), world_size=2)  # the defaults are stable
         assert not [m for m in handler.messages if "stable range" in m]
-        # The CO2 paper's outer lr 1 and momentum 0.5, applied one round late, are past the edge.
-        parse_config(with_changes("CO2", params={"outer_lr": 1.0, "outer_momentum": 0.5, "gap_penalty": 1.0}),
-                     world_size=2)
+        # The CO2 paper's outer lr 1 and momentum 0.5, applied one round late (its rule,
+        # anchor_merge_steps 0), are past the edge.
+        parse_config(with_changes("CO2", params={"outer_lr": 1.0, "outer_momentum": 0.5, "gap_penalty": 1.0,
+                                                 "anchor_merge_steps": 0}), world_size=2)
         assert [m for m in handler.messages if "stable range" in m and "one round late" in m]
         # Merged within the round the same numbers are stable (the synchronous rule's range).
         handler.messages.clear()

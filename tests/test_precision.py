@@ -71,8 +71,10 @@ def precision_section(precision, fp16=None):
 def make_config(kind, precision="fp32", lr=LR, overlap=True, fp16=None, **params):
     if kind == "CO2":
         params = {**CO2_OPTIONS, **params}
+    # fp32 reductions: the matrix checks the fp32 master math against the simulation, which reduces in
+    # fp32 (the default dtype, the model's, is tested in test_defaults.py)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": ACCUMULATION,
-              "gradient_clipping": CLIPPING, "steps_per_print": 10_000,
+              "gradient_clipping": CLIPPING, "steps_per_print": 10_000, "communication_data_type": "fp32",
               "optimizer": {"type": kind, "params": dict(lr=lr, weight_decay=WEIGHT_DECAY, overlap=overlap, **params)}}
     config.update(precision_section(precision, fp16))
     return config

@@ -4,6 +4,7 @@ Construction is collective (process groups are created in the same order on ever
 no global side effects beyond the process groups it creates, which the engine releases in
 ``destroy()``.
 """
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -15,6 +16,8 @@ from ..config import EngineConfig
 from .comm import Communicator, ControlPlane, Lane, new_communicator, new_control_plane, prepare_nccl_environment
 from .loss_scale import LossScale
 from .optimizers import lookup
+from .optimizers.params import AUTO
+from .optimizers.warmup import describe_warmup, resolve_auto_warmup
 from .schedule import BuildContext, Schedule
 
 
@@ -29,6 +32,9 @@ class Parts:
     lr_scheduler: Any
     dataloader: Any
     monitor: Any
+    defaults_note: str = ""
+    """One line for the start-up log: what the defaults resolved to where the config left them out
+    (docs/design.md, 2 "Defaults"); empty when there is nothing to say."""
 
 
 def broadcast_model(module: torch.nn.Module) -> None:
@@ -71,18 +77,67 @@ def build(*, module: torch.nn.Module, param_groups: List[Dict], config: EngineCo
         return mine
 
     schedule_class = lookup(config.optimizer_type)
+    auto_warmup = getattr(config.params, "warmup_sync_updates", None) == AUTO
+    if auto_warmup:  # resolved from the LR scheduler, which needs the schedule's optimizer: 0 until then
+        config.params = _with_warmup(config.params, 0)
     context = BuildContext(params=config.params, config=config, param_groups=param_groups, rank=rank,
                            world_size=world_size, device=device, lane=lane, jobs_communicator=jobs, control=control,
                            loss_scale=LossScale.from_config(config.fp16_loss_scale),
                            new_group_communicator=new_group_communicator)
     schedule = schedule_class.build(context)
+    schedule.optimizer.attach_loss_scale(schedule.loss_scale)
     lr_scheduler = make_lr_scheduler(schedule.optimizer, client_lr_scheduler, config.raw.get("scheduler"))
     schedule.lr_scheduler = lr_scheduler
+    warmup_reason = None
+    if auto_warmup:
+        resolved = resolve_auto_warmup(lr_scheduler, getattr(config.params, "sync_after_updates", None))
+        config.params = _with_warmup(config.params, resolved.updates)
+        schedule.params = config.params
+        schedule.warmup_sync_updates = resolved.updates
+        warmup_reason = resolved.reason
     dataloader = None
     if training_data is not None:
         dataloader = make_dataloader(training_data, collate_fn, config, rank, world_size)
     return Parts(schedule=schedule, lane=lane, control=control, communicators=communicators,
-                 lr_scheduler=lr_scheduler, dataloader=dataloader, monitor=make_monitor(config.raw))
+                 lr_scheduler=lr_scheduler, dataloader=dataloader, monitor=make_monitor(config.raw),
+                 defaults_note=defaults_note(config, warmup_reason))
+
+
+def _with_warmup(params, updates: int):
+    """``params`` with ``warmup_sync_updates`` = ``updates``, keeping which keys the config gave."""
+    resolved = dataclasses.replace(params, warmup_sync_updates=updates)
+    resolved.given = params.given
+    return resolved
+
+
+def defaults_note(config: EngineConfig, warmup_reason: Optional[str]) -> str:
+    """The start-up log line that says what the defaults of docs/design.md (2, "Defaults") did for a config
+    that leaves them out, and the key that restores the previous behaviour; "" when nothing was left out.
+
+    ``warmup_reason``: why "auto" resolved as it did (None: the config gave an integer)."""
+    kind, params = config.optimizer_type, config.params
+    parts = []
+    if not config.communication_dtype_given and config.communication_dtype != "fp32":
+        parts.append(f"gradients are reduced in {config.communication_dtype} (the model's dtype, DeepSpeed's rule; "
+                     f"set communication_data_type \"fp32\" for fp32 reductions, the previous default)")
+    if warmup_reason is not None:
+        parts.append(describe_warmup(params.warmup_sync_updates, warmup_reason)
+                     + "; set warmup_sync_updates to 0 for none, the previous default, or to a number")
+    elif getattr(params, "warmup_sync_updates", 0):
+        parts.append(describe_warmup(params.warmup_sync_updates, None))
+    if kind == "CO2":
+        given = params.given
+        if "anchor_merge_steps" not in given:
+            if params.eager_merge:
+                parts.append(f"the anchor is merged eagerly, {params.anchor_merge_steps} inner step into each round "
+                             f"(anchor_merge_steps {params.anchor_merge_steps}, the default; 0 for the paper's rule, "
+                             f"the previous default)")
+            else:
+                parts.append("replicas restart from an anchor one round old (the paper's rule, anchor_merge_steps 0: "
+                             "the default with an \"adaptive\" gap_penalty)")
+        if "local_steps" not in given:
+            parts.append(f"local_steps is {params.local_steps} (the default; it was 12)")
+    return f"{kind}: " + "; ".join(parts) if parts else ""
 
 
 def make_lr_scheduler(optimizer, client_scheduler, section: Optional[Dict]):

@@ -124,6 +124,10 @@ class AccoEngine(DeepSpeedEngine):
                    f"train_batch_size={batch.train_batch_size} micro_batch={batch.micro_batch_size} "
                    f"accumulation={batch.gradient_accumulation_steps} precision={config.precision} "
                    f"overlap={self.schedule.overlap} update_backend={ops.backend()}{_compression_note(config)}")
+        self.defaults_note = parts.defaults_note
+        """What the defaults did for this config, logged once here (docs/design.md, 2 "Defaults")."""
+        if self.defaults_note:
+            _log_rank0(self.defaults_note)
 
     def __del__(self):
         # DeepSpeedEngine.__del__ calls destroy(); ours finishes jobs and releases process groups,
@@ -350,6 +354,8 @@ class AccoEngine(DeepSpeedEngine):
 
     @property
     def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: ``communication_data_type`` if the config gives it, else the
+        model's (DeepSpeed's rule; fp32 with compressed gradients, whose int8 codes quantise fp32 sums)."""
         return self.engine_config.communication_torch_dtype
 
     @property

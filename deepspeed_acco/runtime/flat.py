@@ -134,11 +134,17 @@ class FlatParamGroup:
                 view.add_(grad, alpha=multiplier)
         return True
 
-    def hand_over_grads(self) -> torch.Tensor:
-        """Move the round's gradient sums to ``job_grad`` and restart accumulation from zero."""
+    def hand_over_grads(self, divisor: float = 1.0) -> torch.Tensor:
+        """Move the round's gradient sums to ``job_grad`` and restart accumulation from zero.
+
+        ``divisor`` (a reduced-precision ``job_grad`` only) divides the sums as they are cast (fp16's
+        pre-division, undone by the job)."""
         if self.job_grad.dtype == torch.float32:
+            assert divisor == 1.0, "fp32 gradients are handed over unscaled"
             self.grad_accum, self.job_grad = self.job_grad, self.grad_accum
             self._accum_views = self._views_of(self.grad_accum)
+        elif divisor != 1.0:
+            torch.mul(self.grad_accum, 1.0 / divisor, out=self.job_grad)
         else:
             self.job_grad.copy_(self.grad_accum)
         self.grad_accum.zero_()

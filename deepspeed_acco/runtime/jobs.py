@@ -5,7 +5,8 @@ enqueued on a side stream by the training thread on CUDA) and touches only buffe
 schedule has handed over for its duration: ``FlatParamGroup.job_grad`` (input), the rank's
 :class:`ShardState` and the gather target.
 
-Inside the job, on the reduced shard: undo the loss scale the round's backward used, average by
+Inside the job, on the reduced shard: undo the loss scale the round's backward used (and, for an
+fp16 reduction, the pre-division that keeps fp16 sums in range), average by
 the global number of contributing micro-batches, clip by the global norm, and skip the update on
 every rank if any gradient is non-finite; one small all-reduce carries the squared norm and the
 micro-batch count. All of this stays on the device (:func:`update_decision`): the clip factor and
@@ -178,6 +179,10 @@ class ShardUpdateJob:
     local_micro_batches: int
     loss_scale: float = 1.0
     """The loss scale the reduced round's backward passes used."""
+    predivisor: float = 1.0
+    """What the round's gradient sums were divided by when cast to the communication dtype (fp16: the
+    round's micro-batches times the ranks, so that fp16 carries means as DeepSpeed's reduction does);
+    multiplied back after the reduce-scatter, in fp32."""
     gradient_clipping: float = 0.0
     keep_reduced: Optional[List[torch.Tensor]] = None
     """Per group, a shard buffer that receives the reduced, unscaled gradient sum (ACCO's first half)."""
@@ -199,8 +204,9 @@ class ShardUpdateJob:
 
         with clock.phase("norm"):
             squares = []
+            unscale = 1.0 / self.loss_scale if self.predivisor == 1.0 else self.predivisor / self.loss_scale
             for index, state in enumerate(self.states):
-                torch.mul(state.reduced, 1.0 / self.loss_scale, out=state.grad)
+                torch.mul(state.reduced, unscale, out=state.grad)
                 if self.keep_reduced is not None:
                     self.keep_reduced[index].copy_(state.grad)
                 if self.carried is not None:

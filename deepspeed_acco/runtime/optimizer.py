@@ -4,12 +4,13 @@ It is a ``torch.optim.Optimizer`` so that DeepSpeed's and torch's LR schedulers 
 ``param_groups[i]["lr"]``; the update itself is run by the engine's communication jobs, so
 ``step()`` is not for users (DeepSpeed's ZeRO optimizers are used the same way).
 """
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from .flat import FlatParamGroup
 from .jobs import ShardState, UpdateRule
+from .loss_scale import LossScale
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -29,6 +30,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shards = [ShardState(flat, communication_dtype, rule) for flat in self.flats]
         # DeepSpeed's optimizers report this after each step; the engine keeps it current.
         self.overflow = False
+        self._loss_scale: Optional[LossScale] = None
+
+    def attach_loss_scale(self, loss_scale: LossScale) -> None:
+        """The schedule's loss scale, which ``cur_scale`` and ``loss_scale`` report."""
+        self._loss_scale = loss_scale
+
+    @property
+    def cur_scale(self) -> float:
+        """The current loss scale, as DeepSpeed's fp16 optimizers have it (dynamic or static in fp16;
+        1.0 in bf16 and fp32). Read by training loops written for DeepSpeed's fp16 optimizers."""
+        return float(self._loss_scale.scale) if self._loss_scale is not None else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's alias of ``cur_scale``."""
+        return self.cur_scale
 
     def step(self, closure=None):
         raise RuntimeError("deepspeed_acco runs the optimizer inside engine.step(); call engine.step() once per "

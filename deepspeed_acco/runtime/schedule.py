@@ -384,14 +384,23 @@ class Schedule:
 
     def _shard_update_job(self, kind: JobKind, **options) -> ShardUpdateJob:
         """Hand the round's gradients over and capture everything the job needs, now."""
+        predivisor = self._communication_predivisor()
         for flat in self.flats:
-            flat.hand_over_grads()
+            flat.hand_over_grads(predivisor)
         scale = self.round_loss_scale if self.round_loss_scale is not None else self.loss_scale.scale
         return ShardUpdateJob(kind=kind, flats=self.flats, states=self.shards, communicator=self.communicator,
                               rule=self.rule, step=self.progress.applied_steps + 1,
                               hyperparameters=[self.rule.hyperparameters(flat.param_group) for flat in self.flats],
                               local_micro_batches=self.round_micro_batches, loss_scale=scale,
-                              gradient_clipping=self.gradient_clipping, compression=self.compression, **options)
+                              gradient_clipping=self.gradient_clipping, compression=self.compression,
+                              predivisor=predivisor, **options)
+
+    def _communication_predivisor(self) -> float:
+        """fp16 reductions carry means, as DeepSpeed's do (docs/design.md, 3.6): the round's gradient sums are
+        divided by its nominal micro-batches times the communicator's ranks when cast; other dtypes: 1."""
+        if self.flats[0].job_grad.dtype != torch.float16:
+            return 1.0
+        return float(self.nominal_round_micro_batches * self.communicator.world_size)
 
     def _launch(self, kind: JobKind, *, wait: bool = False, **options) -> Work:
         job = self._shard_update_job(kind, **options)

@@ -35,7 +35,7 @@ from ..flat import FlatParamGroup
 from ..jobs import JobKind, correctly_rounded_sqrt
 from ..optimizer import ShardedOptimizer
 from ..schedule import BuildContext, CheckpointState, Schedule, result_to_dict
-from .params import AdamWParams, WarmupParams, config_error
+from .params import AUTO, AdamWParams, WarmupParams, config_error
 
 ADAPTIVE = "adaptive"
 # Added to the largest inner displacement so the adaptive penalty is defined for a still model.
@@ -47,13 +47,16 @@ logger = logging.getLogger("DeepSpeed").getChild("acco")
 class CO2Params(WarmupParams, AdamWParams):
     """Local AdamW steps with one-step asynchronous outer averaging.
 
-    The defaults of the outer rule (alpha_o 0.5, beta_o 0, lambda 1) keep the one-round-delayed
-    iteration stable: it converges along a direction that a round of local steps resolves only
+    Defaults (docs/design.md, 3.5): eager merge one inner step into each round (anchor_merge_steps
+    1) with local_steps 4, the settings that were level with ZeRO-1 at 720 updates over four seeds
+    (docs/co2_convergence.md, 6.8); the outer rule's alpha_o 0.5, beta_o 0, lambda 1, which those
+    runs used, are stable under both rules: applied one round late (the paper's rule,
+    anchor_merge_steps 0) it converges along a direction that a round of local steps resolves only
     while alpha_o / lambda < 1 - beta_o (docs/co2_convergence.md); the CO2 paper's alpha_o 1,
     beta_o 0.5 sit past that edge and stall.
     """
 
-    local_steps: int = 12
+    local_steps: int = 4
     """tau: inner steps per outer round."""
     outer_lr: float = 0.5
     """alpha_o: outer learning rate."""
@@ -65,21 +68,36 @@ class CO2Params(WarmupParams, AdamWParams):
     """c: coordinate-wise clip of the outer momentum; None disables clipping."""
     group_size: int = 1
     """g: consecutive ranks that average gradients every inner step (ZeRO-1 inside the group)."""
-    anchor_merge_steps: Optional[int] = None
-    """H (eager mode; off: None). The replicas keep their own progress at boundary k instead of
-    restarting from the anchor; J_k computes x_{k+1} = x_k - alpha_o m_{k+1} from round k's own
-    pseudo-gradient, and H inner steps into round k+1 every replica moves to x_{k+1} plus its
-    progress since the boundary. The job then has H inner steps to finish instead of tau."""
+    anchor_merge_steps: Optional[int] = 1
+    """H (eager merge, the default with H = 1). The replicas keep their own progress at boundary k
+    instead of restarting from the anchor; J_k computes x_{k+1} = x_k - alpha_o m_{k+1} from round
+    k's own pseudo-gradient, and H inner steps into round k+1 every replica moves to x_{k+1} plus its
+    progress since the boundary. The job then has H inner steps to finish instead of tau.
+    0 (or null): the paper's rule, replicas restart from an anchor one round old (with an
+    "adaptive" gap_penalty and no anchor_merge_steps given, 0)."""
     outer_nesterov: bool = False
     """Step along d / lambda + beta_o m instead of m (DiLoCo's outer Nesterov momentum)."""
     normalize_by_inner_lr: bool = False
     """SlowMo: divide the pseudo-gradient by gamma_k, the mean inner learning rate of round k, and
     multiply the outer step by it."""
+    warmup_sync_updates: Union[int, str] = field(default=0, metadata={"choices": (AUTO, )})
+    """N synchronous inner steps first (docs/design.md, 3.8); "auto" is for DPU and ACCO only."""
+
+    @property
+    def eager_merge(self) -> bool:
+        """Whether the anchor is merged within the round (anchor_merge_steps >= 1), else the paper's rule."""
+        return bool(self.anchor_merge_steps)
 
     def validate(self, prefix: str) -> None:
+        if self.warmup_sync_updates == AUTO:
+            raise config_error(f"{prefix}.warmup_sync_updates", "\"auto\" is derived for DPU and ACCO; a "
+                               "synchronous warm-up made CO2 learn more slowly late in a run (docs/co2_convergence.md, "
+                               "6.7)", "use an integer number of synchronous inner steps (default 0)")
+        if self.gap_penalty == ADAPTIVE and "anchor_merge_steps" not in self.given:
+            self.anchor_merge_steps = 0  # the adaptive penalty is defined for the paper's rule only
         super().validate(prefix)
         if self.local_steps < 1:
-            raise config_error(f"{prefix}.local_steps", f"must be >= 1, got {self.local_steps}", "use e.g. 12")
+            raise config_error(f"{prefix}.local_steps", f"must be >= 1, got {self.local_steps}", "use e.g. 4")
         if self.outer_lr <= 0:
             raise config_error(f"{prefix}.outer_lr", f"must be > 0, got {self.outer_lr}", "use e.g. 1.0")
         if not 0.0 <= self.outer_momentum < 1.0:
@@ -94,12 +112,15 @@ class CO2Params(WarmupParams, AdamWParams):
         if self.group_size < 1:
             raise config_error(f"{prefix}.group_size", f"must be >= 1, got {self.group_size}", "use 1 (no groups)")
         if self.anchor_merge_steps is not None:
-            if not 1 <= self.anchor_merge_steps <= self.local_steps:
-                raise config_error(f"{prefix}.anchor_merge_steps", f"must lie in [1, local_steps={self.local_steps}], "
-                                   f"got {self.anchor_merge_steps}", "use e.g. 1, or null for the one-round-late rule")
-            if self.gap_penalty == ADAPTIVE:
+            if not 0 <= self.anchor_merge_steps <= self.local_steps:
+                default_note = "" if "local_steps" in self.given else " (local_steps' default)"
+                raise config_error(f"{prefix}.anchor_merge_steps", f"must lie in [0, local_steps={self.local_steps}"
+                                   f"{default_note}], got {self.anchor_merge_steps}",
+                                   "use 1 (eager merge, the default), 0 for the paper's rule, or raise local_steps")
+            if self.gap_penalty == ADAPTIVE and self.eager_merge:
                 raise config_error(f"{prefix}.gap_penalty", "\"adaptive\" measures how far the anchor moved during "
-                                   "a round, which it never does with anchor_merge_steps", "use a number, e.g. 1.0")
+                                   "a round, which it never does with an eager merge (anchor_merge_steps >= 1)",
+                                   "use a number, e.g. 1.0, or set anchor_merge_steps to 0 (the paper's rule)")
         self._warn_if_unstable(prefix)
 
     def _warn_if_unstable(self, prefix: str) -> None:
@@ -107,7 +128,7 @@ class CO2Params(WarmupParams, AdamWParams):
         if self.gap_penalty == ADAPTIVE:
             return
         ratio = self.outer_lr / float(self.gap_penalty)
-        if self.anchor_merge_steps is None:
+        if not self.eager_merge:
             bound, rule = 1.0 - self.outer_momentum, "one round late"
         else:
             bound, rule = 2.0 * (1.0 + self.outer_momentum), "merged within the round"
@@ -243,7 +264,7 @@ class CO2OuterJob:
                 else:  # the residual carries what was not sent of this round's displacement into the next
                     compression.reduce_scatter(state.mean_displacement, state.displacement)
 
-        if self.params.anchor_merge_steps is not None:
+        if self.params.eager_merge:
             # Eager mode: round k's pseudo-gradient moves x_k itself, x_{k+1} = x_k - alpha_o m_{k+1}.
             for state in self.states:
                 state.prev_anchor.copy_(state.anchor)
@@ -351,7 +372,8 @@ class CO2(Schedule):
         self.outer_rounds = 0
         """Outer boundaries passed (k after boundary k - 1)."""
         self.outer_skips = 0
-        self.merge_steps = self.params.anchor_merge_steps
+        self.merge_steps = self.params.anchor_merge_steps if self.params.eager_merge else None
+        """H in eager mode; None under the paper's rule (anchor_merge_steps 0 or null)."""
         self.outer_wait_monitor = (OuterWaitMonitor("local_steps", self.params.local_steps) if self.merge_steps is None
                                    else OuterWaitMonitor("anchor_merge_steps", self.merge_steps))
         self.boundary_masters: Optional[List[torch.Tensor]] = None

@@ -9,12 +9,13 @@ key and the fix.
 """
 import math
 import typing
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Dict, FrozenSet, Optional, Tuple, Union
 
 from ...ops import quantization
 
 DEFAULT_COMMUNICATION_TIMEOUT_S = 300.0
+AUTO = "auto"
 
 
 def config_error(key: str, problem: str, fix: str) -> ValueError:
@@ -86,19 +87,17 @@ def parse_params(cls, raw: Dict[str, Any], type_name: str, prefix: str = "optimi
         choices = tuple(known[key].metadata.get("choices", ()))
         values[key] = _parse_value(f"{prefix}.{key}", hints[key], value, choices)
     parsed = cls(**values)
+    parsed.given = frozenset(raw)
     parsed.validate(prefix)
     return parsed
-
-
-def defaults_of(cls) -> Dict[str, Any]:
-    """Field name -> default of a params dataclass (for documentation and tests)."""
-    return {item.name: item.default for item in fields(cls) if item.default is not MISSING}
 
 
 @dataclass(kw_only=True)
 class PipelineParams:
     """Switches of the communication pipeline that every optimizer type has."""
 
+    given: ClassVar[FrozenSet[str]] = frozenset()
+    """The keys the config gave (set per instance by :func:`parse_params`); the others took their default."""
     overlap: bool = True
     """Run communication jobs on the lane while the model computes. ``False`` runs each job
     synchronously with identical math (for debugging and tests)."""
@@ -157,13 +156,17 @@ class AdamWParams(PipelineParams):
 class WarmupParams:
     """Synchronous warm-up for the overlapped types (DPU, ACCO, CO2)."""
 
-    warmup_sync_updates: int = 0
+    warmup_sync_updates: Union[int, str] = field(default=AUTO, metadata={"choices": (AUTO, )})
     """The first N committed updates are synchronous ZeRO-1 AdamW updates (ShardedAdamW's); the type's
     own rule takes over after them from the committed parameters, without a restart (optimizer
-    state, step count and LR schedule carry on). 0: no warm-up."""
+    state, step count and LR schedule carry on). 0: no warm-up. "auto" (the default for DPU and
+    ACCO): N from the LR scheduler when the engine is built (docs/design.md, 3.8;
+    :mod:`deepspeed_acco.runtime.optimizers.warmup`)."""
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
+        if self.warmup_sync_updates == AUTO:
+            return
         if self.warmup_sync_updates < 0:
             raise config_error(f"{prefix}.warmup_sync_updates", f"must be >= 0, got {self.warmup_sync_updates}",
                                "use 0 for no warm-up, or the number of synchronous updates to start with")
@@ -184,7 +187,12 @@ class CooldownParams:
         after = self.sync_after_updates
         if after is None:
             return
-        warmup = int(getattr(self, "warmup_sync_updates", 0))
+        warmup = getattr(self, "warmup_sync_updates", 0)
+        if warmup == AUTO:
+            if after < 1:
+                raise config_error(f"{prefix}.sync_after_updates", f"must be >= 1, got {after}",
+                                   "use null for the type's own rule to the end")
+            return  # "auto" resolves below it (deepspeed_acco.runtime.optimizers.warmup)
         if after <= warmup:
             raise config_error(f"{prefix}.sync_after_updates", f"must be greater than warmup_sync_updates "
                                f"({warmup}), got {after}", "use null for the type's own rule to the end, or the "

@@ -1,0 +1,157 @@
+"""``warmup_sync_updates: "auto"``: how many updates start synchronous (docs/design.md, 3.8).
+
+The rule, applied once when the engine is built, from the LR scheduler the engine steps (one
+scheduler step per committed update):
+
+1. the scheduler knows the run's length T (its updates): N = T // 6, a sixth of the run;
+2. it knows only its LR warm-up W (updates): N = 4 * W;
+3. it knows neither (no scheduler, or one whose shape says nothing): N = 0.
+
+Evidence (docs/acco_convergence.md, "What the gap is made of" and "Against the issue's target"):
+a synchronous sixth kept ACCO within 1% of ZeRO-1 at 300 and 720 updates (120 of 720, four
+seeds) and at 240 updates (40 of 240, one seed); without it ACCO ended +6.5% at 720. On the
+240-update run the sixth was 4 times the LR warm-up of 10 updates, hence rule 2.
+
+What the engine reads:
+- DeepSpeed's ``WarmupDecayLR`` and ``WarmupCosineLR``: ``total_num_steps`` (T) and
+  ``warmup_num_steps`` (W); ``WarmupLR``: ``warmup_num_steps`` only (it stays at its peak).
+- torch's ``OneCycleLR`` (``total_steps``), ``CosineAnnealingLR`` (``T_max``), ``PolynomialLR``
+  (``total_iters``): T.
+- torch's ``LambdaLR`` (the Hugging Face Trainer's schedules): its first param group's lambda is
+  evaluated at future steps, without stepping the scheduler. W is the first step after which the
+  lambda stops rising; T is the first step after W at which it stops falling (it reaches 0, or a
+  floor it keeps, or turns up again as a cosine does past its horizon). Both are found by
+  doubling and bisection (a few hundred evaluations). A lambda that does not fall after its
+  warm-up (a constant schedule) gives W only. The search assumes the shape of every warm-up and
+  decay schedule: rising (or flat) to a peak, then falling.
+Nothing is read from the scheduler's state, so a resumed engine resolves the same N.
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+
+RUN_FRACTION = 6
+"""N = the run's updates // RUN_FRACTION when the scheduler knows the run's length."""
+LR_WARMUP_MULTIPLE = 4
+"""N = LR_WARMUP_MULTIPLE x the LR warm-up when only the warm-up is known."""
+_SEARCH_LIMIT = 2**40
+"""Steps beyond which a LambdaLR probe gives up (the shape is then unknown)."""
+
+
+@dataclass(frozen=True)
+class ScheduleShape:
+    """What the engine can know of a run from its LR scheduler."""
+
+    total_updates: Optional[int]
+    """T: the updates of the whole schedule (None: not known)."""
+    warmup_updates: Optional[int]
+    """W: the updates of the LR warm-up (None or 0: none known)."""
+    source: str
+    """Where it was read, for the log ("WarmupDecayLR total_num_steps", ...)."""
+
+
+@dataclass(frozen=True)
+class AutoWarmup:
+    updates: int
+    """N, the resolved number of synchronous updates."""
+    reason: str
+    """Why, in words, for the start-up log line."""
+
+
+def _positive_int(value) -> Optional[int]:
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if number > 0 else None
+
+
+def _first_true(predicate: Callable[[int], bool], start: int, limit: int = _SEARCH_LIMIT) -> Optional[int]:
+    """The first step s >= start where ``predicate`` holds, assuming it is false before and true at that
+    step: doubling from ``start``, then bisection. None if it never holds up to ``limit``."""
+    if predicate(start):
+        return start
+    low, offset = start, 1
+    while not predicate(start + offset):
+        low = start + offset
+        offset *= 2
+        if start + offset > limit:
+            return None
+    high = start + offset
+    while high - low > 1:
+        middle = (low + high) // 2
+        if predicate(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def lambda_shape(function: Callable[[int], float]) -> Tuple[Optional[int], Optional[int]]:
+    """(T, W) of a LambdaLR lambda (see the module docstring); None where not known."""
+    def value(step: int) -> float:
+        return float(function(step))
+
+    warmup = _first_true(lambda s: value(s + 1) <= value(s), 0)
+    if warmup is None:
+        return None, None
+    horizon = _first_true(lambda s: value(s + 1) >= value(s), warmup)
+    if horizon is None or not value(horizon) < value(warmup):
+        return None, warmup  # it does not fall after the warm-up: the run's length is not in it
+    return horizon, warmup
+
+
+def schedule_shape(lr_scheduler) -> ScheduleShape:
+    """What ``lr_scheduler`` (the engine's, or None) says about the run's length and LR warm-up."""
+    if lr_scheduler is None:
+        return ScheduleShape(None, None, "no LR scheduler")
+    name = type(lr_scheduler).__name__
+    schedulers = torch.optim.lr_scheduler
+    if name in ("WarmupDecayLR", "WarmupCosineLR") and hasattr(lr_scheduler, "total_num_steps"):
+        return ScheduleShape(_positive_int(lr_scheduler.total_num_steps),
+                             _positive_int(getattr(lr_scheduler, "warmup_num_steps", None)),
+                             f"{name} total_num_steps")
+    if name == "WarmupLR" and hasattr(lr_scheduler, "warmup_num_steps"):
+        return ScheduleShape(None, _positive_int(lr_scheduler.warmup_num_steps), f"{name} warmup_num_steps")
+    for cls, attribute in ((schedulers.OneCycleLR, "total_steps"), (schedulers.CosineAnnealingLR, "T_max"),
+                           (getattr(schedulers, "PolynomialLR", ()), "total_iters")):
+        if cls and isinstance(lr_scheduler, cls):
+            return ScheduleShape(_positive_int(getattr(lr_scheduler, attribute, None)), None, f"{name} {attribute}")
+    if isinstance(lr_scheduler, schedulers.LambdaLR) and getattr(lr_scheduler, "lr_lambdas", None):
+        try:
+            total, warmup = lambda_shape(lr_scheduler.lr_lambdas[0])
+        except (ArithmeticError, TypeError, ValueError):
+            return ScheduleShape(None, None, f"{name} (its lr_lambdas could not be evaluated ahead)")
+        return ScheduleShape(total, warmup or None, f"{name} lr_lambdas read ahead")
+    return ScheduleShape(None, None, f"{name}, whose length the engine does not read")
+
+
+def resolve_auto_warmup(lr_scheduler, sync_after_updates: Optional[int] = None) -> AutoWarmup:
+    """N for ``warmup_sync_updates: "auto"`` and the reason, from the engine's LR scheduler."""
+    shape = schedule_shape(lr_scheduler)
+    if shape.total_updates is not None:
+        updates = shape.total_updates // RUN_FRACTION
+        reason = f"a sixth of the scheduler's {shape.total_updates} updates ({shape.source})"
+    elif shape.warmup_updates:
+        updates = LR_WARMUP_MULTIPLE * shape.warmup_updates
+        reason = (f"{LR_WARMUP_MULTIPLE} x the scheduler's {shape.warmup_updates}-update LR warm-up "
+                  f"({shape.source}); the run's length is not known to the engine")
+    else:
+        updates = 0
+        reason = (f"{shape.source}: the run's length is not known to the engine; set warmup_sync_updates to "
+                  f"about a sixth of the run's updates")
+    if sync_after_updates is not None and updates >= sync_after_updates:
+        updates = max(0, sync_after_updates - 1)
+        reason += f", kept below sync_after_updates ({sync_after_updates})"
+    return AutoWarmup(updates=updates, reason=reason)
+
+
+def describe_warmup(updates: int, reason: Optional[str]) -> str:
+    """The start-up log's words for N ("the first 120 updates are synchronous (...)")."""
+    what = "no update is synchronous" if updates == 0 else \
+        "the first update is synchronous" if updates == 1 else f"the first {updates} updates are synchronous"
+    if reason is None:
+        return f"{what} (warmup_sync_updates {updates})"
+    return f"{what} (warmup_sync_updates \"auto\": {reason})"
+
