@@ -404,13 +404,29 @@ class AccoEngine(DeepSpeedEngine):
         self._guard(self.schedule.synchronize)
 
     @contextlib.contextmanager
-    def committed_parameters(self):
+    def committed_parameters(self, wait: bool = True):
         """Evaluate on the newest committed parameters: waits for the running job, restores afterwards.
 
         ACCO's model holds an estimate during first-half rounds, DPU's lags one update and CO2's
         holds a local replica; inside this context the model holds the latest committed update
         instead. Training math is not affected. Collective (it calls ``synchronize()``).
+
+        ``wait=False``: the newest committed parameters that have already landed on this rank,
+        without waiting for the running job and without any collective (the communication keeps
+        its timing). Right after the ``step()`` that advanced ``global_steps`` those are that
+        update's for every type (CO2: the newest landed anchor); in an ACCO first-half round, where
+        the update being committed exists only inside its job, it raises ``LookupError``.
         """
+        if not wait:
+            self._check_healthy()
+            self._leave_evaluation_view()
+            with self.schedule.landed_parameters():
+                self._committed_depth += 1
+                try:
+                    yield
+                finally:
+                    self._committed_depth -= 1
+            return
         self.synchronize()
         with self.schedule.committed_parameters():
             self._committed_depth += 1
@@ -418,6 +434,11 @@ class AccoEngine(DeepSpeedEngine):
                 yield
             finally:
                 self._committed_depth -= 1
+
+    @property
+    def communication_in_flight(self) -> bool:
+        """Whether a communication job is running right now (never blocks)."""
+        return self.schedule.job_in_flight()
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False):

@@ -319,18 +319,52 @@ class Schedule:
     def committed_parameters(self) -> Iterator[None]:
         """Temporarily make the model hold the newest committed parameters (call ``synchronize`` first)."""
         self.drain()
-        committed = self.committed_flats()
-        if committed is None:
+        with self._holding(self.committed_flats()):
+            yield
+
+    @contextlib.contextmanager
+    def landed_parameters(self) -> Iterator[None]:
+        """Temporarily make the model hold the newest committed parameters that have landed on this
+        rank (:meth:`landed_flats`); never waits for the running job."""
+        with self._holding(self.landed_flats()):
+            yield
+
+    @contextlib.contextmanager
+    def _holding(self, values: Optional[List[torch.Tensor]]) -> Iterator[None]:
+        """The model holds ``values`` (full vectors per group) inside; None: it keeps what it holds."""
+        if values is None:
             yield  # the model already holds committed parameters
             return
         saved = [flat.model_flat.clone() for flat in self.flats]
         try:
-            for flat, values in zip(self.flats, committed):
-                flat.install(values)
+            for flat, full in zip(self.flats, values):
+                flat.install(full)
             yield
         finally:
-            for flat, values in zip(self.flats, saved):
-                flat.model_flat.copy_(values)
+            for flat, full in zip(self.flats, saved):
+                flat.model_flat.copy_(full)
+
+    def landed_flats(self) -> Optional[List[torch.Tensor]]:
+        """Full vectors of the newest committed parameters that have landed on this rank, when the
+        model does not hold them (None: it does). Never waits for the running job.
+
+        With one round per update (ShardedAdamW, DPU) the model only ever holds installed commits: a
+        running commit lands at the next boundary, and until then the model holds the newest landed
+        one. With several rounds per update (ACCO) a running commit means that the model holds the
+        round's estimate, and the parameters being committed exist only inside the job:
+        ``LookupError`` (ask right after the ``step()`` that advanced ``global_steps``, or wait with
+        ``committed_parameters()``).
+        """
+        if self.rounds_per_update == 1 or self.running_kind is not JobKind.COMMIT:
+            return None
+        raise LookupError(f"{self.type_name}: the model holds an estimate while the commit of update "
+                          f"{self.progress.global_steps + 1} runs; the committed parameters exist only inside that "
+                          f"job. Ask right after the step() that advances global_steps, or wait for them with "
+                          f"engine.committed_parameters()")
+
+    def job_in_flight(self) -> bool:
+        """Whether a communication job is running now (never blocks)."""
+        return self.running is not None and not self.running.is_done()
 
     def committed_flats(self) -> Optional[List[torch.Tensor]]:
         """Full vectors of the newest committed parameters when the model does not hold them, else None."""

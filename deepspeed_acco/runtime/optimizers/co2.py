@@ -519,6 +519,15 @@ class CO2(Schedule):
             return None
         return [state.gather if self.running is not None else state.round_start for state in self.outers]
 
+    def landed_flats(self) -> Optional[List[torch.Tensor]]:
+        """The newest anchor that has landed on this rank, never waiting for the running outer job:
+        ``round_start`` holds it (x_{k+1} after boundary k under the restart rule; x_k until the
+        merge and x_{k+1} after it in eager mode; x_0 before the first boundary), while the job
+        writes only ``gather``. During the synchronous warm-up the model holds the committed state."""
+        if self.in_sync_warmup:
+            return None
+        return [state.round_start for state in self.outers]
+
     def pending_commit(self):
         return None  # inner steps are installed when they finish; the outer job has no step count
 
