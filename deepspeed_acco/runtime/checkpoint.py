@@ -6,18 +6,21 @@ Layout (``save_dir/tag/``), as DeepSpeed writes it, so its tools and loaders und
                                                config, param shapes
   [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt
                                                rank r: DeepSpeed's partition r (in DeepSpeed's
-                                               shard layout) of the fp32 masters (CO2: anchors)
-                                               and of the AdamW moments, the committed step, and
+                                               shard layout) of the fp32 masters (or what the
+                                               schedule's checkpoint_state puts there instead)
+                                               and of the rule's state, the committed step, and
                                                under the key "deepspeed_acco" the rank's own
                                                in-flight state
 
 DeepSpeed's fields describe the *committed* state: when a commit has finished but is not installed
 yet, its step count, LR-scheduler step and loss-scale update are already counted there, so that
 another type, or DeepSpeed itself, continues from the committed update. The live counters, the
-phase, the finished job's result, the schedule's further shards (ACCO's estimate and first-half
-gradient, what the model holds when it is not the committed weights, CO2's anchors and momentum)
-and the rank's private tensors (partial gradient sums of a round in progress, CO2's replica
-state) are under "deepspeed_acco". Shards are converted between this engine's layout (64-byte
+phase, the finished job's result, the schedule's further shards (an estimate, a kept partial
+gradient, what the model holds when it is not the committed weights) and the rank's private
+tensors (partial gradient sums of a round in progress) are under "deepspeed_acco"; each type's
+``checkpoint_state`` says what it keeps. Whether a checkpoint can continue in a schedule is that
+schedule's call (``Schedule.checkpoint_metadata`` and ``check_checkpoint_compatible``); this
+module names no optimizer type. Shards are converted between this engine's layout (64-byte
 aligned shards) and DeepSpeed's by point-to-point exchanges at save and load.
 
 Loading at the same world size reads only the rank's own optimizer file; at another world size a
@@ -31,7 +34,6 @@ import collections
 import ctypes
 import ctypes.util
 import errno
-import glob
 import logging
 import os
 import shutil
@@ -136,10 +138,6 @@ def _resolve_directory(load_dir: str, tag: str) -> str:
 
 
 # ---- shard layouts ---------------------------------------------------------------------------
-def _our_geometry(shard: torch.Tensor, numel: int, world_size: int) -> ShardGeometry:
-    return ShardGeometry(numel=numel, world_size=world_size, shard_numel=shard.numel())
-
-
 def _overlap(a: Tuple[int, int], b: Tuple[int, int], numel: int) -> Tuple[int, int]:
     start, stop = max(a[0], b[0]), min(a[1], b[1], numel)
     return start, max(start, stop)
@@ -206,7 +204,7 @@ def _copy_into(shard: torch.Tensor, size: int, numel: int) -> torch.Tensor:
 
 
 def _our_shard_numel(engine, numel: int) -> int:
-    """Our shard size over all ranks (CO2's outer shards included) for a vector of ``numel`` elements."""
+    """Our shard size over all ranks for a vector of ``numel`` elements."""
     return aligned_geometry(numel, engine.world_size).shard_numel
 
 
@@ -347,8 +345,8 @@ def _model_states(engine, module_state, client_state: Dict, progress, scheduler_
         "ds_version": deepspeed.__version__,
     }
     state.update(client_state)
-    state[OUR_KEY] = {"format": FORMAT_VERSION, "optimizer_type": engine.engine_config.optimizer_type,
-                      "mid_round": mid_round, "group_size": getattr(engine.engine_config.params, "group_size", 1)}
+    state[OUR_KEY] = dict(engine.schedule.checkpoint_metadata(), format=FORMAT_VERSION,
+                          optimizer_type=engine.engine_config.optimizer_type, mid_round=mid_round)
     return state
 
 
@@ -513,18 +511,7 @@ def _check_compatible(engine, model_states: Dict, files: _SavedFiles, saved_worl
             raise ValueError(f"load_checkpoint: parameter group {index} has {flat.numel} trainable parameters, the "
                              f"checkpoint {saved}; load a checkpoint of the same model")
     ours = model_states.get(OUR_KEY) or {}
-    kind = engine.engine_config.optimizer_type
-    saved_kind = ours.get("optimizer_type")
-    co2 = "co2"
-    if (str(saved_kind).lower() == co2) != (kind.lower() == co2):
-        raise ValueError(f"load_checkpoint: a {saved_kind or 'DeepSpeed'} checkpoint cannot continue as {kind} (CO2 "
-                         f"keeps a replica and outer state per rank); pass load_optimizer_states=False to start from "
-                         f"its weights")
-    if kind.lower() == co2 and (saved_world_size != engine.world_size
-                                or ours.get("group_size") != engine.engine_config.params.group_size):
-        raise ValueError(f"load_checkpoint: CO2 checkpoints continue only with the same world size and group_size "
-                         f"(saved: {saved_world_size} ranks, group_size {ours.get('group_size')}); pass "
-                         f"load_optimizer_states=False to start from the weights")
+    engine.schedule.check_checkpoint_compatible(ours, saved_world_size)
     if ours.get("mid_round") and (saved_world_size != engine.world_size or not same_type):
         raise ValueError("load_checkpoint: the checkpoint was saved in the middle of a round (partial gradient sums "
                          "are per rank); load it with the same world size and optimizer type, or save at a round "
@@ -624,7 +611,7 @@ def _load_same_type(engine, files, saved_world_size) -> None:
     for key in ours["sharded"]:
         sharded[key] = _load_vectors(engine, files, saved_world_size, lambda f, i, key=key: f[OUR_KEY]["sharded"][key][i])
     fp32 = [shard.master for shard in optimizer.shards]
-    if not schedule.rule_state_is_sharded():  # CO2: the DeepSpeed partitions are the anchors
+    if not schedule.rule_state_is_sharded():  # the DeepSpeed partitions hold the schedule's own vectors
         fp32 = _load_vectors(engine, files, saved_world_size, lambda f, i: f["single_partition_of_fp32_groups"][i])
     local = _to_device(ours["local"], engine.device) if saved_world_size == engine.world_size else {}
     if saved_world_size != engine.world_size and "compression" in ours["local"] and engine.global_rank == 0:
@@ -635,7 +622,7 @@ def _load_same_type(engine, files, saved_world_size) -> None:
                        saved_world_size, engine.world_size)
     state = CheckpointState(fp32_partitions=fp32, rule_state=None, sharded=sharded, local=local, meta=ours["meta"])
     # The model already holds the module file's committed weights; the schedule installs what it
-    # held instead where that differs ("held", CO2's replica).
+    # held instead where that differs (e.g. "held").
     schedule.load_checkpoint_state(state, make_gather_full(engine))
     schedule.progress.load_state_dict(ours["progress"])
     for group, lr in zip(optimizer.param_groups, ours["param_group_lrs"]):
@@ -653,7 +640,3 @@ def _to_device(value, device):
         return [_to_device(item, device) for item in value]
     return value
 
-
-def checkpoint_files(directory: str) -> List[str]:
-    """The optimizer files of a checkpoint directory (for tools)."""
-    return sorted(glob.glob(os.path.join(directory, "*zero_pp_rank_*_optim_states.pt")))

@@ -486,6 +486,25 @@ class Schedule:
         """Whether masters and rule state are shards over all ranks (DeepSpeed's fields hold them)."""
         return True
 
+    def checkpoint_metadata(self) -> Dict[str, Any]:
+        """Plain data a loader checks before it reads any optimizer state (the module file's
+        "deepspeed_acco" entry, beside ``optimizer_type``). The key ``"continues_only_as_itself"``
+        gives the reason why no other type can continue from this state. CO2 overrides."""
+        return {}
+
+    def check_checkpoint_compatible(self, saved: Dict[str, Any], saved_world_size: int) -> None:
+        """Raise ``ValueError`` naming the fix when a checkpoint's optimizer state cannot continue here.
+
+        ``saved``: the checkpoint's entry written from :meth:`checkpoint_metadata`, with its
+        ``optimizer_type`` (empty for DeepSpeed's own checkpoints). Every other type's committed
+        state continues here unless its schedule declared the state its own.
+        """
+        saved_type = saved.get("optimizer_type")
+        reason = saved.get("continues_only_as_itself")
+        if reason and saved_type != self.type_name:
+            raise ValueError(f"load_checkpoint: a {saved_type} checkpoint cannot continue as {self.type_name} "
+                             f"({reason}); pass load_optimizer_states=False to start from its weights")
+
     def checkpoint_state(self) -> CheckpointState:
         """This rank's state after ``synchronize()`` (ShardedAdamW, DPU and ACCO; CO2 overrides)."""
         meta = {"phase": self.phase.value, "round_micro_batches": self.round_micro_batches,

@@ -40,6 +40,8 @@ from .params import AUTO, AdamWParams, WarmupParams, config_error
 ADAPTIVE = "adaptive"
 # Added to the largest inner displacement so the adaptive penalty is defined for a still model.
 DISPLACEMENT_EPSILON = 1e-12
+# Why a CO2 checkpoint continues in no other type (and no other type's in CO2).
+_OWN_STATE = "CO2 keeps a replica and outer state per rank"
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
 
@@ -558,6 +560,21 @@ class CO2(Schedule):
 
     def rule_state_is_sharded(self) -> bool:
         return False  # the inner state is per group; DeepSpeed's partitions hold the anchors
+
+    def checkpoint_metadata(self) -> Dict:
+        return {"group_size": self.group_size, "continues_only_as_itself": _OWN_STATE}
+
+    def check_checkpoint_compatible(self, saved: Dict, saved_world_size: int) -> None:
+        """Only a CO2 checkpoint of the same world size and group_size continues here."""
+        saved_type = saved.get("optimizer_type")
+        if saved_type != self.type_name:
+            raise ValueError(f"load_checkpoint: a {saved_type or 'DeepSpeed'} checkpoint cannot continue as "
+                             f"{self.type_name} ({_OWN_STATE}); pass load_optimizer_states=False to start from its "
+                             f"weights")
+        if saved_world_size != self.world_size or saved.get("group_size") != self.group_size:
+            raise ValueError(f"load_checkpoint: CO2 checkpoints continue only with the same world size and group_size "
+                             f"(saved: {saved_world_size} ranks, group_size {saved.get('group_size')}); pass "
+                             f"load_optimizer_states=False to start from the weights")
 
     def checkpoint_state(self) -> CheckpointState:
         if self.in_sync_warmup and self.progress.global_steps > 0:

@@ -9,7 +9,7 @@ key and the fix.
 """
 import math
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, FrozenSet, Optional, Tuple, Union
 
 from ...ops import quantization
