@@ -152,7 +152,10 @@ def test_defaults_derive_eval_interval_and_max_updates():
     from deepspeed_acco.bench.__main__ import build_parser, check_args
     args = build_parser().parse_args([])
     check_args(args, resolve_methods(args.methods))
-    assert (args.target_loss, args.eval_every, args.max_updates, args.precision) == ("auto", 5, 150, "bf16")
+    assert (args.target_loss, args.eval_every, args.max_updates, args.precision_requested) == ("auto", 5, 150, "auto")
+    assert args.precision in ("bf16", "fp32") and args.precision_why.startswith(args.precision)
+    assert (args.bandwidth, args.local_steps, args.warmup_sync_updates) == ("auto", None, None)
+    assert resolve_methods(args.methods) == ["zero1", "acco", "acco+q8", "co2", "dpu"]
     assert (args.nodes, args.ranks_per_node, args.seeds) == (2, 1, [0])
     args = build_parser().parse_args(["--target-loss", "none", "--updates", "30"])
     check_args(args, resolve_methods(args.methods))
@@ -165,7 +168,7 @@ def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
     from deepspeed_acco.bench.train import parse_args as worker_parse
     from deepspeed_acco.config import parse_config
     args = build_parser().parse_args(["--outer-lr", "0.7", "--outer-momentum", "0.2", "--gap-penalty", "2",
-                                      "--ranks-per-node", "2", "--eval-every", "3"])
+                                      "--ranks-per-node", "2", "--eval-every", "3", "--precision", "bf16"])
     check_args(args, ["zero1", "co2"])
     argv = worker_args(args, "co2", "/tmp/x", seed=3, target_loss=2.5)
     assert argv[argv.index("--outer-lr") + 1] == "0.7" and argv[argv.index("--gap-penalty") + 1] == "2.0"
@@ -270,7 +273,7 @@ def test_bounds_and_comm_round():
     assert report.bound_seconds("acco", 0.1, t_comm, 12) == max(0.1, 2 * t_comm)
     assert report.bound_seconds("acco", 0.1, 0.2, 12) == 0.4
     assert report.bound_seconds("dpu", 0.1, 0.2, 12) == 0.2
-    assert math.isclose(report.bound_seconds("co2", 0.1, 2.4, 12), 0.2)
+    assert math.isclose(report.bound_seconds("co2+paper", 0.1, 2.4, 12), 0.2)
     assert math.isclose(report.bound_seconds("zero1", 0.1, 0.2, 12), 0.3)
     assert report.bound_seconds("compute", 0.1, 0.2, 12) == 0.1
     assert report.bound_seconds("acco+bf16comm", 0.1, 0.2, 12) == 0.4
@@ -568,6 +571,87 @@ def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_boun
     assert cmd[cmd.index("--sync-after-updates") + 1] == "20"
     with pytest.raises(ValueError, match="applies to co2 only"):
         parse_variant("acco+eager")
-    # CO2 hides its averaging under a round of 12 inner steps, eager CO2 under one inner step.
-    assert bound_seconds("co2", 1.0, 6.0, 12) == 1.0
+    # CO2 under the paper's rule hides its averaging under a round of 12 inner steps, eager CO2 under
+    # one inner step; plain CO2 follows the engine's default anchor_merge_steps.
+    assert bound_seconds("co2+paper", 1.0, 6.0, 12) == 1.0
     assert bound_seconds("co2+eager", 1.0, 6.0, 12) == 6.0
+    from deepspeed_acco.bench.methods import co2_overlap_steps
+    from deepspeed_acco.runtime.optimizers.co2 import CO2Params
+    default_merge = CO2Params.__dataclass_fields__["anchor_merge_steps"].default
+    assert co2_overlap_steps("co2", 12) == (default_merge or 12)
+    assert ds_config("co2+paper", **common)["optimizer"]["params"]["anchor_merge_steps"] == 0
+    # Unset, --local-steps and --warmup-sync-updates leave the engine's defaults alone; 'auto' passes through.
+    for method in ("dpu", "acco", "co2"):
+        params = ds_config(method, **common)["optimizer"]["params"]
+        assert "warmup_sync_updates" not in params and "local_steps" not in params
+        assert ds_config(method, **common, warmup_sync_updates="auto")["optimizer"]["params"][
+            "warmup_sync_updates"] == "auto"
+    assert ds_config("acco", **common, warmup_sync_updates=0)["optimizer"]["params"]["warmup_sync_updates"] == 0
+    cmd = worker_args(build_parser().parse_args([]), "co2", "/tmp/x")
+    assert "--local-steps" not in cmd and "--warmup-sync-updates" not in cmd
+    cmd = worker_args(build_parser().parse_args(["--warmup-sync-updates", "auto", "--local-steps", "4"]), "co2", "/x")
+    assert cmd[cmd.index("--warmup-sync-updates") + 1] == "auto" and cmd[cmd.index("--local-steps") + 1] == "4"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--warmup-sync-updates", "-1"])
+
+
+def test_precision_auto_follows_native_bf16():
+    from deepspeed_acco.bench.precision import choose_precision
+    no = lambda: False  # noqa: E731
+    # A CPU with AVX512-BF16 or AMX: bf16, and the reason names the flag.
+    prec, why = choose_precision("auto", cuda_available=False, flags=lambda: {"avx2", "avx512f", "avx512_bf16"},
+                                 onednn_bf16=no)
+    assert prec == "bf16" and "avx512_bf16" in why
+    prec, why = choose_precision("auto", cuda_available=False, flags=lambda: {"avx2", "amx_bf16"}, onednn_bf16=no)
+    assert prec == "bf16" and "amx_bf16" in why
+    # AVX2 only (oneDNN's check may say yes for AVX-512 without BF16, emulated; the flags decide): fp32.
+    for onednn in (no, lambda: True):
+        prec, why = choose_precision("auto", cuda_available=False, flags=lambda: {"avx2", "avx512f"},
+                                     onednn_bf16=onednn)
+        assert prec == "fp32" and "no native bf16" in why
+    # Flags unreadable: oneDNN decides.
+    assert choose_precision("auto", cuda_available=False, flags=set, onednn_bf16=lambda: True)[0] == "bf16"
+    assert choose_precision("auto", cuda_available=False, flags=set, onednn_bf16=no)[0] == "fp32"
+    # CUDA: bf16 where the device supports it.
+    assert choose_precision("auto", cuda_available=True, cuda_bf16=lambda: True)[0] == "bf16"
+    assert choose_precision("auto", cuda_available=True, cuda_bf16=no)[0] == "fp32"
+    # Explicit choices stay, whatever the machine.
+    assert choose_precision("bf16", cuda_available=False, flags=set, onednn_bf16=no)[0] == "bf16"
+    assert choose_precision("fp32", cuda_available=True, cuda_bf16=lambda: True)[0] == "fp32"
+
+
+def test_auto_bandwidth_solves_for_the_share():
+    from deepspeed_acco.bench.commprobe import rate_for_share
+    bits, t_compute = 8e6, 0.6
+    # No fixed part: a third of the update is T_comm = T_compute / 2 = 0.3 s, so 8 Mbit / 0.3 s.
+    rate, fixed = rate_for_share(1 / 3, t_compute, bits, 1e8, bits / 1e8)
+    assert fixed == 0.0 and rate == pytest.approx(bits / 0.3)
+    # A fixed part of 0.1 s leaves 0.2 s for the bytes, and the share then holds at that rate.
+    rate, fixed = rate_for_share(1 / 3, t_compute, bits, 1e8, bits / 1e8 + 0.1)
+    assert fixed == pytest.approx(0.1) and rate == pytest.approx(bits / 0.2)
+    t_comm = fixed + bits / rate
+    assert t_comm / (t_compute + t_comm) == pytest.approx(1 / 3)
+    # A fixed part above the share: no rate gets there.
+    assert rate_for_share(1 / 3, t_compute, bits, 1e8, bits / 1e8 + 0.5)[0] is None
+    with pytest.raises(ValueError):
+        rate_for_share(1.0, t_compute, bits, 1e8, 0.1)
+
+
+def test_time_estimate_warns_naming_the_flags(capsys):
+    from types import SimpleNamespace
+
+    from deepspeed_acco.bench.__main__ import _Estimate, build_parser, check_args
+    args = build_parser().parse_args(["--seeds", "0,1"])
+    check_args(args, resolve_methods(args.methods))
+    est = _Estimate(args, resolve_methods(args.methods), [1e9], started=0.0)
+    est.baseline = SimpleNamespace(job={"job_s": 120.0}, wall_s=100.0, updates=50, summaries={0: {"init_s": 5}})
+    est.report(now=200.0)  # 5 methods x 2 seeds = 10 jobs, 9 left of 120 s after 200 s: 21 min
+    out = capsys.readouterr().out
+    assert "about 21 min" in out and "9 more job(s)" in out
+    assert "WARNING" in out and "--updates" in out and "--methods" in out and "--max-updates" in out
+    assert "--seeds" in out
+    est = _Estimate(args, ["zero1"], [1e9], started=0.0)
+    est.baseline = SimpleNamespace(job={"job_s": 60.0}, wall_s=50.0, updates=50, summaries={0: {"init_s": 5}})
+    est.report(now=100.0)
+    out = capsys.readouterr().out
+    assert "time estimate" in out and "WARNING" not in out

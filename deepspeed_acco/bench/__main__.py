@@ -27,8 +27,23 @@ from .jobs import Placement, probe_comm, run_job
 from .methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
 from .models import DEFAULT_PRESET, PRESETS
 from .summary import finish, replot
+from .train import _sync_updates
 
 DEFAULT_UPDATES = 50
+# --bandwidth auto: ZeRO-1 communicates a third of its update, so T_comm = T_compute / 2, where ACCO
+# (two jobs per update) can just hide its communication (2 T_comm <= T_compute); docs/bench.md.
+AUTO_SHARE = 1.0 / 3.0
+LONG_RUN_S = 20 * 60  # the time estimate warns above this
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1) such as 0.33, got {text!r}")
+    return value
 MAX_UPDATES_FACTOR = 3  # --max-updates default: 3 x --updates
 
 
@@ -114,9 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", type=_seeds, default=[0],
                    help="comma-separated seeds (initial weights and data order): every method runs once per seed and "
                         "the report gives the validation-loss gap to ZeRO-1 as mean and range over them")
-    g.add_argument("--local-steps", type=int, default=12, help="CO2: inner steps between parameter averagings")
-    g.add_argument("--warmup-sync-updates", type=int, default=0,
-                   help="DPU, ACCO, CO2: the first N updates synchronous (ZeRO-1), then the method's own rule")
+    g.add_argument("--local-steps", type=_positive_int, default=None,
+                   help="CO2: inner steps between parameter averagings (default: the engine's)")
+    g.add_argument("--warmup-sync-updates", type=_sync_updates, default=None,
+                   help="DPU, ACCO, CO2: the first N updates synchronous (ZeRO-1), then the method's own rule; "
+                        "'auto': the engine's rule from the LR schedule (default: the engine's default)")
     g.add_argument("--sync-after-updates", type=int, default=None,
                    help="DPU, ACCO: every update after the first N is synchronous (ZeRO-1), a synchronous "
                         "cool-down")
@@ -134,9 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ctx", type=int, default=256, help="context length (tokens = bytes)")
     g.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch per rank")
     g.add_argument("--grad-accum", type=int, default=2, help="micro-batches per update per rank (even for ACCO)")
-    g.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                   help="training precision (DeepSpeed's bf16 section: bf16 model, fp32 masters and optimizer "
-                        "states); see docs/bench.md for bf16 vs fp32 speed on CPUs")
+    g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="training precision (bf16: DeepSpeed's bf16 section, bf16 model, fp32 masters and optimizer "
+                        "states); auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with "
+                        "AVX512-BF16 or AMX), else fp32 (docs/bench.md)")
     g.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate (1e-3: the best of 5e-4, 1e-3, 2e-3, 3e-3 for DeepSpeed ZeRO-1 at the "
                         "fp32 defaults of 2026-11-29)")
@@ -161,9 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ranks-per-node", type=_positive_int, default=1,
                    help="ranks per node (they talk over the node's unshaped loopback; CO2 then averages gradients "
                         "inside each node every step: group_size = this)")
-    g.add_argument("--bandwidth", default="1gbit",
+    g.add_argument("--bandwidth", default="auto",
                    help="link rate, e.g. 1gbit, 300mbit (tc tbf; per node and direction with --nodes >= 2, the "
-                        "loopback's total with --nodes 1); none: no shaping")
+                        "loopback's total with --nodes 1); none: no shaping; auto: the rate at which DeepSpeed "
+                        f"ZeRO-1 spends {AUTO_SHARE:.0%} of its update communicating on this machine, from the "
+                        "compute-only run and a measured round (--comm-share)")
+    g.add_argument("--comm-share", type=_share, default=AUTO_SHARE,
+                   help="with --bandwidth auto: the share of ZeRO-1's update spent communicating (docs/bench.md)")
     g.add_argument("--sweep-bandwidth", default="", metavar="LIST",
                    help="comma-separated rates: run every method at each and plot speedup vs bandwidth")
     g.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
@@ -195,8 +217,12 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
            "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--precision", args.precision,
            "--lr", repr(args.lr), "--warmup", str(args.warmup), "--lr-schedule", args.lr_schedule, "--weight-decay", repr(args.weight_decay),
            "--beta1", repr(args.beta1),
-           "--clip", repr(args.clip), "--seed", str(seed), "--local-steps", str(args.local_steps),
-           "--warmup-sync-updates", str(args.warmup_sync_updates), "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
+           "--clip", repr(args.clip), "--seed", str(seed),
+           "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
+    if args.local_steps is not None:
+        out += ["--local-steps", str(args.local_steps)]
+    if args.warmup_sync_updates is not None:
+        out += ["--warmup-sync-updates", str(args.warmup_sync_updates)]
     if args.sync_after_updates is not None:
         out += ["--sync-after-updates", str(args.sync_after_updates)]
     if target_loss is not None:
@@ -297,6 +323,10 @@ def check_args(args, methods: List[str]) -> None:
                          f"to --methods, give a loss value, or pass --target-loss none")
     if args.max_updates is not None and args.max_updates < args.updates:
         raise SystemExit(f"--max-updates ({args.max_updates}) must be >= --updates ({args.updates})")
+    if not hasattr(args, "precision_why"):  # --precision auto -> bf16 or fp32, once
+        from .precision import choose_precision
+        args.precision_requested = args.precision
+        args.precision, args.precision_why = choose_precision(args.precision)
     if args.eval_every is None:
         args.eval_every = max(1, round(args.updates / 10))
     if args.max_updates is None:
@@ -401,6 +431,88 @@ def _run_sub(label: str, many_rates: bool, method: str, seeds: List[int], seed: 
 
 
 # ----------------------------------------------------------------------------------------------
+# --bandwidth auto and the time estimate
+
+AUTO_RATE = "auto"  # placeholder in the list of rates until the compute-only run has been timed
+
+
+def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, meta: dict) -> Optional[float]:
+    """``--bandwidth auto``: the per-direction rate at which DeepSpeed ZeRO-1 spends ``--comm-share``
+    of its update communicating, T_comm / (T_compute + T_comm) = share, with T_compute from the
+    compute-only run and T_comm from ZeRO-1's collectives timed on the emulated network at a first
+    guess of the rate (a round takes a fixed part plus bytes / rate; commprobe.rate_for_share)."""
+    from . import report
+    from .commprobe import rate_for_share
+    share = args.comm_share
+    if compute is None or not shaping_ok:
+        print("note: --bandwidth auto needs the compute-only run and a shaped network; running unshaped", flush=True)
+        return None
+    t_compute = compute.ms_per_update / 1000.0
+    world = args.nodes * args.ranks_per_node
+    nodes = args.nodes if args.nodes >= 2 else 1
+    bits = report.method_comm_seconds(BASELINE, n_params, world, 1.0, args.precision, nodes)  # ideal s x bit/s
+    guess = bits / (share / (1.0 - share) * t_compute)
+    with Network(args, guess, shaping_ok, force_private=True) as net:
+        probe = probe_comm(net.placement, n_params, os.path.join(out, "commprobe_auto.json"), args.threads,
+                           param_dtype=args.precision)
+    measured = report.probe_round_seconds(probe, BASELINE, args.precision) if probe else None
+    rate, fixed = (guess, 0.0) if measured is None else rate_for_share(share, t_compute, bits, guess, measured)
+    info = dict(share=share, t_compute_s=t_compute, probe_bps=guess, probe_round_s=measured, fixed_s=fixed,
+                bps=rate)
+    meta["auto_bandwidth"] = info
+    if rate is None:
+        print(f"--bandwidth auto: ZeRO-1's round has a fixed part of {1000 * fixed:.0f} ms on this network, more than "
+              f"{share:.0%} of an update ({1000 * t_compute:.0f} ms of compute) allows at any rate; running unshaped",
+              flush=True)
+        args.bandwidth = "none"
+        return None
+    args.bandwidth = f"{rate:.6g}"
+    print(f"--bandwidth auto: {netns.format_bandwidth(rate)} per direction, where DeepSpeed ZeRO-1 should spend "
+          f"{share:.0%} of its update communicating (compute-only {1000 * t_compute:.0f} ms/update; its collectives "
+          f"measured {'n/a' if measured is None else f'{1000 * measured:.0f} ms'} at "
+          f"{netns.format_bandwidth(guess)}, a fixed part of {1000 * fixed:.0f} ms)", flush=True)
+    return rate
+
+
+class _Estimate:
+    """After the compute-only run and ZeRO-1's, the time the whole invocation should take."""
+
+    def __init__(self, args, methods: List[str], rates, started: float):
+        self.args, self.methods, self.rates, self.started = args, methods, rates, started
+        self.compute = self.baseline = None
+
+    def report(self, now: float) -> None:
+        args = self.args
+        if self.baseline is None:
+            return
+        per_job = self.baseline.job.get("job_s") or (self.baseline.wall_s + max(
+            s.get("init_s", 0.0) for s in self.baseline.summaries.values()))
+        per_update = self.baseline.wall_s / max(self.baseline.updates, 1)
+        jobs_per_rate = len(self.methods) * len(args.seeds)
+        total_jobs = jobs_per_rate * len(self.rates) * args.repeat + (0 if args.no_compute_only else args.repeat - 1)
+        left = max(total_jobs - 1, 0)
+        elapsed = now - self.started
+        typical = elapsed + left * per_job
+        extra = 0.0
+        if args.target_loss is not None and args.max_updates > args.updates:  # methods that miss the target
+            extra = left * (args.max_updates - args.updates) * per_update
+        line = (f"time estimate: about {typical / 60:.0f} min for this whole invocation ({left} more job(s) of about "
+                f"{per_job:.0f} s each, as DeepSpeed ZeRO-1's took)"
+                + (f"; up to {(typical + extra) / 60:.0f} min if every method runs to --max-updates "
+                   f"{args.max_updates}" if extra > 60 else ""))
+        print(line, flush=True)
+        if typical > LONG_RUN_S:
+            flags = ["--updates (now %d)" % args.updates, "--methods (now %d)" % len(self.methods)]
+            if args.target_loss is not None:
+                flags.append(f"--max-updates (now {args.max_updates}) or --target-loss none")
+            if len(args.seeds) > 1:
+                flags.append(f"--seeds (now {len(args.seeds)})")
+            if args.repeat > 1:
+                flags.append(f"--repeat (now {args.repeat})")
+            if len(self.rates) > 1:
+                flags.append(f"--sweep-bandwidth (now {len(self.rates)} rates)")
+            print(f"WARNING: this invocation will take over {LONG_RUN_S // 60} minutes; shorten it with "
+                  + ", ".join(flags) + ", or --model tiny for a quick look", flush=True)
 
 
 def main(argv=None) -> int:
@@ -415,12 +527,17 @@ def main(argv=None) -> int:
     if args.target_loss == "auto":  # ZeRO-1 first: its loss is the others' target
         methods = [BASELINE] + [m for m in methods if m != BASELINE]
 
+    precision_why = args.precision_why
+    auto_rate = args.bandwidth == "auto" and not args.sweep_bandwidth
+    shaping_ok, why = netns.supported()
+    if auto_rate and args.no_compute_only and shaping_ok:
+        raise SystemExit("--bandwidth auto derives the link rate from the compute-only run: drop --no-compute-only "
+                         "or give a rate (e.g. --bandwidth 300mbit)")
     try:
         rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
-            if args.sweep_bandwidth else [netns.parse_bandwidth(args.bandwidth)]
+            if args.sweep_bandwidth else [AUTO_RATE if auto_rate else netns.parse_bandwidth(args.bandwidth)]
     except ValueError as exc:
         raise SystemExit(f"--bandwidth/--sweep-bandwidth: {exc}")
-    shaping_ok, why = netns.supported()
     if not shaping_ok and (args.nodes > 1 or any(r is not None for r in rates)):
         print(f"WARNING: cannot emulate nodes or slow links here ({why}); running all "
               f"{args.nodes * args.ranks_per_node} ranks UNSHAPED over the host loopback. The timings then show "
@@ -451,7 +568,7 @@ def main(argv=None) -> int:
                    f"{args.updates} updates)"}.get(args.target_loss, f"{args.target_loss}")
     print(f"deepspeed-acco bench -> {out}\n"
           f"  model: GPT-Neo '{args.model}', {n_params:,} parameters, ctx {args.ctx}, byte vocabulary, "
-          f"{args.precision}\n"
+          f"{precision_why}\n"
           f"  data: {corpus.describe()}\n"
           f"  batch: {args.nodes} node(s) x {args.ranks_per_node} rank(s) x micro-batch {args.micro_batch} x "
           f"accumulation {args.grad_accum} = {tbs} samples/update; {args.updates} updates = {args.updates * tbs} "
@@ -470,9 +587,11 @@ def main(argv=None) -> int:
     results, failed = [], []
     meta = dict(command="python -m deepspeed_acco.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
                 date_utc=stamp, machine=info, n_params=n_params, corpus=corpus.describe(), args=vars(args),
-                link={}, busy_warning=busy, runs=[], targets={}, refused=refused)
+                link={}, busy_warning=busy, runs=[], targets={}, refused=refused, precision_why=precision_why)
     by_key = {}
     timeout = args.run_timeout or (120 + 20 * args.max_updates)
+    started = time.perf_counter()
+    estimate = _Estimate(args, methods, rates, started)
 
     def collect(run_dir, method, label, bps, seed, rep):
         meta["runs"].append(dict(dir=os.path.relpath(run_dir, out), method=method, bandwidth=label, bps=bps,
@@ -489,9 +608,11 @@ def main(argv=None) -> int:
                 if run_job(host, args.launcher, worker_args(args, "compute", run_dir, seed=args.seeds[0]), run_dir,
                            METHODS["compute"].label + rtag, threads=args.threads, timeout_s=timeout,
                            progress_total=args.updates, show_progress=not args.no_progress):
-                    collect(run_dir, "compute", "no communication", None, args.seeds[0], rep)
+                    estimate.compute = collect(run_dir, "compute", "no communication", None, args.seeds[0], rep)
                 else:
                     failed.append("compute")
+            if AUTO_RATE in rates:
+                rates = [choose_auto_rate(args, out, n_params, estimate.compute, shaping_ok, meta)]
             for bps in rates:
                 label = netns.format_bandwidth(bps)
                 with Network(args, bps, shaping_ok, force_private=len(rates) > 1) as net:
@@ -532,6 +653,9 @@ def main(argv=None) -> int:
                                        desc, threads=args.threads, timeout_s=timeout, progress_total=total,
                                        show_progress=not args.no_progress):
                                 r = collect(run_dir, method, label, bps, seed, rep)
+                                if method == BASELINE and rep == 0 and estimate.baseline is None:
+                                    estimate.baseline = r
+                                    estimate.report(time.perf_counter())
                                 if args.target_loss == "auto" and method == BASELINE and str(seed) not in targets:
                                     targets[str(seed)] = r.val.get(args.updates)
                                     print(f"target: DeepSpeed ZeRO-1's validation loss after {args.updates} updates "

@@ -20,6 +20,24 @@ import sys
 import time
 
 
+def rate_for_share(share: float, t_compute_s: float, bits_per_round: float, probe_rate_bps: float,
+                   probed_round_s: float):
+    """The per-direction link rate at which a round takes ``share`` of compute + round.
+
+    A round over a shaped link takes about ``fixed + bits / rate``: ``bits_per_round`` is the ideal
+    volume through the busiest link (so that ``bits / rate`` is the ideal time), and ``fixed`` (latency,
+    protocol, the reduction's arithmetic) is what the round measured at ``probe_rate_bps`` takes
+    beyond its ideal time. Returns ``(rate_bps, fixed_s)``; ``rate_bps`` is None when the fixed part
+    alone already exceeds the share (no link rate gets there)."""
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"the communication share must lie in (0, 1), got {share}")
+    fixed = max(0.0, probed_round_s - bits_per_round / probe_rate_bps)
+    target = share / (1.0 - share) * t_compute_s  # T_comm with T_comm / (T_compute + T_comm) = share
+    if target <= fixed:
+        return None, fixed
+    return bits_per_round / (target - fixed), fixed
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, required=True)

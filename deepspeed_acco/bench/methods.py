@@ -12,7 +12,7 @@ value it makes the communication move, for the bound). Adding a modifier is addi
 import copy
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,9 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
     Method("acco", "ACCO", "ACCO", ours=True, comm_jobs=2.0, overlapped=True),
     Method("co2", "CO2", "CO2", ours=True, overlapped=True),
 )}
-DEFAULT_METHODS = ("zero1", "zero0", "sharded", "dpu", "acco", "co2")
+# The demo: DeepSpeed's ZeRO-1 against the overlapped methods at their engine defaults, ACCO also with
+# int8 communication (zero0 and sharded stay one flag away, --methods).
+DEFAULT_METHODS = ("zero1", "acco", "acco+q8", "co2", "dpu")
 BASELINE = "zero1"
 MIN_LR_FRACTION = 0.1  # warm up from, and decay to, lr / 10 (DeepSpeed's first two updates run at the minimum)
 
@@ -55,7 +57,6 @@ class Modifier:
     help: str = ""
     not_for_deepspeed: str = ""  # why DeepSpeed's own methods cannot take it (empty: they can)
     only_for: str = ""  # the one method it applies to (empty: any)
-    co2_overlap_steps: Optional[int] = None  # CO2: inner steps its outer job must fit in (the bound)
 
 
 _ZERO_PLUS_PLUS_ONLY_STAGE_3 = ("DeepSpeed honours zero_quantized_gradients/_weights only with ZeRO stage 3, so its "
@@ -77,7 +78,11 @@ MODIFIERS: Dict[str, Modifier] = {m.name: m for m in (
     # round, so the averaging must fit under one inner step rather than a whole round.
     Modifier("eager", "eager (H=1)", {"optimizer": {"params": {"anchor_merge_steps": 1}}},
              help="CO2 only: anchor_merge_steps 1 (replicas keep their progress; the average is merged one "
-                  "inner step into the next round)", only_for="co2", co2_overlap_steps=1),
+                  "inner step into the next round)", only_for="co2"),
+    # The CO2 paper's rule: every replica restarts from the anchor, which arrives one round late.
+    Modifier("paper", "paper's restart rule", {"optimizer": {"params": {"anchor_merge_steps": 0}}},
+             help="CO2 only: anchor_merge_steps 0, the CO2 paper's rule (replicas restart from the anchor, one "
+                  "round late)", only_for="co2"),
     Modifier("q4", "int4 comm", {"zero_optimization": {"zero_quantized_gradients": True,
                                                        "zero_quantized_weights": True},
                                  "optimizer": {"params": {"quantization_bits": 4}}},
@@ -113,6 +118,21 @@ class Variant:
             grad = m.gradient_bytes if m.gradient_bytes is not None else grad
             param = m.parameter_bytes if m.parameter_bytes is not None else param
         return grad, param
+
+
+def co2_overlap_steps(method: str, local_steps: Optional[int] = None) -> int:
+    """Inner steps CO2's outer averaging must fit in (the bound): ``anchor_merge_steps`` H in eager
+    mode, ``local_steps`` under the restart rule (H 0 or null), with the engine's defaults for
+    whatever neither ``method``'s modifiers nor ``local_steps`` (--local-steps) set."""
+    import dataclasses
+
+    from deepspeed_acco.runtime.optimizers.co2 import CO2Params
+    defaults = {f.name: f.default for f in dataclasses.fields(CO2Params) if f.default is not dataclasses.MISSING}
+    tau = int(local_steps) if local_steps is not None else int(defaults["local_steps"])
+    merge = defaults.get("anchor_merge_steps")
+    for m in parse_variant(method).modifiers:
+        merge = m.config.get("optimizer", {}).get("params", {}).get("anchor_merge_steps", merge)
+    return tau if not merge else min(int(merge), tau)
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -158,12 +178,15 @@ BETA2 = 0.95
 
 def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int, lr: float, total_updates: int,
               warmup: int, betas=(0.9, BETA2), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0,
-              local_steps: int = 12, dynamic_accumulation: bool = False, bf16: bool = False,
-              torch_adam: bool = True, co2_options: Optional[dict] = None, warmup_sync_updates: int = 0,
+              local_steps: Optional[int] = None, dynamic_accumulation: bool = False, bf16: bool = False,
+              torch_adam: bool = True, co2_options: Optional[dict] = None,
+              warmup_sync_updates: Union[int, str, None] = None,
               lr_schedule: str = "decay", sync_after_updates: Optional[int] = None) -> dict:
     """The DeepSpeed JSON config (as a dict) for ``method`` (a method name, with modifiers if any:
     ``acco+bf16comm``); ``co2_options``: further CO2 params (``outer_lr``, ``outer_momentum``,
-    ``gap_penalty``, ``group_size``), the engine's defaults where absent."""
+    ``gap_penalty``, ``group_size``), the engine's defaults where absent. ``local_steps`` and
+    ``warmup_sync_updates`` (an int or "auto") are written only when given: None keeps the engine's
+    defaults."""
     variant = parse_variant(method)
     spec = variant.method
     if spec.optimizer is None:
@@ -175,12 +198,13 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         params["torch_adam"] = True  # torch.optim.AdamW: no op build needed on CPU
     if spec.name == "acco":
         params["dynamic_accumulation"] = bool(dynamic_accumulation)
-    if warmup_sync_updates and spec.name in ("dpu", "acco", "co2"):
-        params["warmup_sync_updates"] = int(warmup_sync_updates)
+    if warmup_sync_updates is not None and spec.name in ("dpu", "acco", "co2"):
+        params["warmup_sync_updates"] = warmup_sync_updates if warmup_sync_updates == "auto" else int(warmup_sync_updates)
     if sync_after_updates is not None and spec.name in ("dpu", "acco"):
         params["sync_after_updates"] = int(sync_after_updates)
     if spec.name == "co2":
-        params["local_steps"] = int(local_steps)
+        if local_steps is not None:
+            params["local_steps"] = int(local_steps)
         params.update(co2_options or {})
     cfg = {
         "train_batch_size": micro_batch * grad_accum * world_size,

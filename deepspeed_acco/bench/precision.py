@@ -6,14 +6,80 @@ section does: the module is cast to bf16, the optimizer keeps fp32 masters), one
 default like each bench rank. The two precisions alternate round by round so that a change in
 machine load hits both alike, and the medians are printed, of wall-clock and of the process's CPU
 time (which other processes on a shared machine inflate much less than wall-clock; they can
-still slow it through shared caches and memory bandwidth). The bench's ``--precision`` default
-(bf16) rests on this measurement; docs/bench.md records it.
+still slow it through shared caches and memory bandwidth). docs/bench.md records it.
+
+:func:`choose_precision` is the bench's ``--precision auto`` (the default): bf16 where the device
+computes bf16 natively (a CUDA device with bf16; a CPU with AVX512-BF16 or AMX, detected from the
+CPU's flags and oneDNN), else fp32, because a CPU without them emulates bf16 matmuls at a small
+fraction of fp32's speed (about 40x slower on an AVX2-only AMD EPYC).
 """
 import argparse
 import json
 import statistics
 import sys
 import time
+
+
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _onednn_bf16() -> bool:
+    """Whether torch's oneDNN says this CPU runs bf16 natively (False where torch cannot tell)."""
+    try:
+        import torch
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # noqa: BLE001 - an older or differently built torch: rely on the flags
+        return False
+
+
+def _cuda_bf16() -> bool:
+    try:
+        import torch
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def choose_precision(requested: str = "auto", *, cuda_available=None, cuda_bf16=_cuda_bf16, flags=cpu_flags,
+                     onednn_bf16=_onednn_bf16):
+    """``(precision, why)`` for ``--precision`` ``requested`` (auto, bf16 or fp32); ``why`` is the
+    sentence the report's header gives. The detectors are parameters so that tests can mock them."""
+    if requested in ("bf16", "fp32"):
+        return requested, f"{requested}: given with --precision"
+    if requested != "auto":
+        raise ValueError(f"--precision: expected auto, bf16 or fp32, got {requested!r}")
+    if cuda_available is None:
+        try:
+            import torch
+            cuda_available = torch.cuda.is_available()
+        except Exception:  # noqa: BLE001
+            cuda_available = False
+    if cuda_available:
+        if cuda_bf16():
+            return "bf16", "bf16 (auto): the CUDA device computes bf16 natively"
+        return "fp32", "fp32 (auto): this CUDA device has no native bf16"
+    known = flags()
+    native = [f for f in NATIVE_BF16_CPU_FLAGS if f in known]
+    if native:
+        return "bf16", f"bf16 (auto): the CPU has {' and '.join(native)}"
+    # oneDNN's own check also accepts AVX-512 without BF16 (emulated); it decides only where the
+    # CPU's flags cannot be read.
+    if not known and onednn_bf16():
+        return "bf16", "bf16 (auto): oneDNN reports bf16 support on this CPU (its flags could not be read)"
+    return "fp32", ("fp32 (auto): this CPU has no native bf16 (no avx512_bf16 or amx_bf16; a bf16 matmul would run "
+                    "about 40x slower than fp32); --precision bf16 forces it")
 
 
 def time_micro_batches(preset: str, ctx: int, micro_batch: int, rounds: int, per_round: int, threads: int) -> dict:

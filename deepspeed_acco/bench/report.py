@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .methods import BASELINE, METHODS, parse_variant
+from .methods import BASELINE, co2_overlap_steps, METHODS, parse_variant
 
 
 @dataclass
@@ -62,6 +62,12 @@ class RunResult:
     def wall_range(self):
         walls = [r.own_wall_s for r in self._all()]
         return min(walls), max(walls)
+
+    @property
+    def new_clock(self) -> bool:
+        """Whether the run was timed with the clock of 2026-12-03 (docs/bench.md, "The clock"): copies
+        taken without waiting for the job in flight. Older runs' copies included that wait, off the clock."""
+        return all("process_wall_s" in s for s in self.summaries.values())
 
     @property
     def ms_per_update(self) -> float:
@@ -283,9 +289,10 @@ def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[di
                                      if base is not None and r.val else None),
                    peak_rss_mib=r.peak_rss_mib, init_s=max(s["init_s"] for s in r.summaries.values()),
                    snapshot_s=max(s.get("snapshot_s", 0.0) for s in r.summaries.values()),
-                   snapshot_at_updates_s=max(s.get("snapshot_at_updates_s", s.get("snapshot_s", 0.0)) or 0.0
-                                             for s in r.summaries.values()),
-                   wall_incl_copies_s=max(s.get("wall_incl_copies_s", s["wall_s"]) for s in r.summaries.values()),
+                   paused_at_updates_s=max(s.get("paused_at_updates_s", s.get("snapshot_at_updates_s")) or 0.0
+                                           for s in r.summaries.values()),
+                   eval_comm_s=max((s.get("eval_comm_s") or 0.0) for s in r.summaries.values()),
+                   old_clock=not r.new_clock,
                    job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"),
                    other_load_cores=r.other_load, steal_cores=r.steal_cores, repeats=1 + len(r.reps),
                    wall_min_s=r.wall_range[0], wall_max_s=r.wall_range[1],
@@ -395,8 +402,9 @@ TTT_NOTES = (
 
 TABLE_NOTES = (
     "Equal samples for every method (same updates x global batch). wall = training only (after initialize and a "
-    "barrier, slowest rank; paused while the committed parameters are copied for validation, see snapshot_s and "
-    "wall_incl_copies_s in summary.csv); x compute = wall / compute-only wall, the floor (same processes and batches, no "
+    "barrier, slowest rank; paused only while the committed parameters are copied and evaluated, without waiting "
+    "for the communication in flight, whose time during the pause stays on the clock: snapshot_s, eval_s and "
+    "eval_comm_s in summary.csv, docs/bench.md \"The clock\"); x compute = wall / compute-only wall, the floor (same processes and batches, no "
     "communication). comm wait: the engine's measured time blocked on communication (mean over ranks); "
     "`~x*` = derived as wall - compute-only wall, for DeepSpeed's engine, which has no such counter. train loss: "
     "mean of the last 10% of updates over ranks; val loss: held-out files, after the last update (nats/byte, "
@@ -483,9 +491,10 @@ def probe_round_seconds(probe: dict, method: str, precision: str) -> Optional[fl
     return None if all_reduce is None or all_gather is None else all_reduce + all_gather
 
 
-def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: int) -> Optional[float]:
+def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Optional[int] = None) -> Optional[float]:
     """Lower bound on the per-update time: overlapped methods max(T_compute, k T_comm) (ACCO k = 2,
-    DPU 1, CO2 1/local_steps); the others T_compute + T_comm."""
+    DPU 1, CO2 1/H: the inner steps its averaging must fit in, :func:`methods.co2_overlap_steps`);
+    the others T_compute + T_comm. ``local_steps``: --local-steps (None: the engine's default)."""
     variant = None if method == "compute" else parse_variant(method)
     spec = METHODS["compute"] if variant is None else variant.method
     if spec.optimizer is None:
@@ -493,8 +502,7 @@ def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: int
     if not spec.overlapped:
         return t_compute + t_comm
     if spec.name == "co2":
-        steps = [m.co2_overlap_steps for m in variant.modifiers if m.co2_overlap_steps] or [local_steps]
-        k = 1.0 / max(steps[0], 1)
+        k = 1.0 / max(co2_overlap_steps(method, local_steps), 1)
     else:
         k = spec.comm_jobs
     return max(t_compute, k * t_comm)

@@ -8,7 +8,7 @@ import sys
 from typing import List, Optional
 
 from . import netns
-from .methods import BASELINE, parse_variant, resolve_methods
+from .methods import BASELINE, co2_overlap_steps, parse_variant, resolve_methods
 
 
 def normalize_args(args):
@@ -108,6 +108,8 @@ def finish(args, out, results, failed, meta, rates) -> None:
     md.append(f"Model: GPT-Neo '{args.model}' ({n_params:,} parameters), ctx {args.ctx}, {args.precision}; "
               f"micro-batch {args.micro_batch} x accumulation {args.grad_accum} x {world} ranks; {args.updates} "
               f"updates; lr {args.lr:g}{_schedule_note(args)}; seeds {', '.join(map(str, args.seeds))}; data: {meta['corpus']}.\n")
+    if meta.get("precision_why"):
+        md.append(f"Precision: {meta['precision_why']}.\n")
     if meta.get("busy_warning"):
         md.append(meta["busy_warning"] + "\n")
     if meta.get("interrupted"):
@@ -144,7 +146,8 @@ def finish(args, out, results, failed, meta, rates) -> None:
             parts += [f"### Over seeds {', '.join(map(str, args.seeds))}: validation loss after {args.updates} "
                       f"updates, gap to ZeRO-1 of the same seed\n", report.seeds_table(srows) + "\n"]
         probe = link.get("probe")
-        theory = _theory_lines(args, rows, compute, n_params, measured, probe, nodes)
+        theory = _regime_lines(rows, meta.get("auto_bandwidth"), label)
+        theory += _theory_lines(args, rows, compute, n_params, measured, probe, nodes)
         theory += _noise_lines(rows)
         md += parts + theory + [""]
         print("\n" + "\n".join(p.rstrip("\n") for p in parts) + "\n" + "\n".join(theory))
@@ -190,7 +193,7 @@ def finish(args, out, results, failed, meta, rates) -> None:
             report.plot_speedup_vs_bandwidth(
                 p3, sweep_points, f"GPT-Neo {n_params / 1e6:.1f}M, {world} ranks: measured speedup (solid)\n"
                                   f"bound T_ZeRO-1 / max(T_compute, k T_comm) (dashed; k: ACCO 2, DPU 1, "
-                                  f"CO2 1/{args.local_steps})",
+                                  f"CO2 1/{co2_overlap_steps('co2', args.local_steps)})",
                 xlabel=("measured link rate per node and direction (Mbit/s)" if nodes >= 2 else
                         "measured link rate (Mbit/s, shared by both directions)"))
             plots.append(p3)
@@ -205,6 +208,27 @@ def finish(args, out, results, failed, meta, rates) -> None:
         print(f"FAILED runs: {', '.join(failed)}", file=sys.stderr)
 
 
+def _regime_lines(rows, auto: Optional[dict], label: str) -> List[str]:
+    """The link rate's origin (--bandwidth auto) and the share of its update ZeRO-1 spent communicating,
+    1 - compute-only / ZeRO-1 (ms per update)."""
+    lines = []
+    if auto and auto.get("bps"):
+        probe = auto.get("probe_round_s")
+        lines.append(f"Link rate {label}: chosen by --bandwidth auto so that DeepSpeed ZeRO-1 communicates "
+                     f"{auto['share']:.0%} of its update (compute-only {1000 * auto['t_compute_s']:.0f} ms/update; "
+                     f"ZeRO-1's collectives measured "
+                     + ("n/a" if probe is None else f"{1000 * probe:.0f} ms")
+                     + f" at {netns.format_bandwidth(auto['probe_bps'])}, a fixed part of "
+                     f"{1000 * auto['fixed_s']:.0f} ms).")
+    compute = next((r for r in rows if r["method"] == "compute"), None)
+    base = next((r for r in rows if r["method"] == BASELINE), None)
+    if compute is not None and base is not None and base["ms_per_update"] > 0:
+        share = 1.0 - compute["ms_per_update"] / base["ms_per_update"]
+        lines.append(f"DeepSpeed ZeRO-1 measured: {share:.0%} of its update communicating (1 - compute-only "
+                     f"{compute['ms_per_update']:.0f} / ZeRO-1 {base['ms_per_update']:.0f} ms per update).")
+    return lines
+
+
 def _noise_lines(rows) -> List[str]:
     """How much of the machine other processes took while each run trained (timings are only
     comparable when this is ~0 for every run)."""
@@ -214,11 +238,18 @@ def _noise_lines(rows) -> List[str]:
     text = ", ".join(f"{label} {load:.2f}" + (f" (+{steal:.2f} stolen)" if steal and steal > 0.01 else "")
                      for label, load, steal in loads if load is not None)
     lines = [f"Other processes during training (cores busy outside the ranks, average; worst run): {text}."]
-    copies = [(r["label"], r.get("snapshot_at_updates_s")) for r in rows if r["method"] != "compute"]
-    if any(c for _, c in copies):
-        lines.append("Clock paused for the parameter copies up to --updates (includes finishing the communication "
-                     "job in flight, which the next round might have hidden or waited for): "
-                     + ", ".join(f"{label} {c:.1f} s" for label, c in copies if c is not None) + ".")
+    paused = [(r["label"], r.get("paused_at_updates_s"), r.get("eval_comm_s") or 0.0) for r in rows]
+    if any(c for _, c, _ in paused):
+        lines.append("Clock paused for copying and evaluating the committed parameters up to --updates (the "
+                     "communication that ran meanwhile stays on the clock): "
+                     + ", ".join(f"{label} {c:.1f} s" + (f" ({x:.1f} s of communication kept on the clock)"
+                                                          if x >= 0.05 else "")
+                                 for label, c, x in paused if c is not None) + ".")
+    if any(r.get("old_clock") for r in rows):
+        lines.append("NOTE: these runs were timed with the bench's clock before 2026-12-03, which took the wait for "
+                     "the communication job in flight off the clock at every evaluation (DPU, ACCO and CO2 got up "
+                     "to one round free per evaluation); their wall-clock flatters the overlapped methods "
+                     "(docs/bench.md, \"The clock\").")
     if any(r.get("repeats", 1) > 1 for r in rows):
         spread = ", ".join(f"{r['label']} {1000 * r['wall_min_s'] / r['updates']:.0f}-"
                            f"{1000 * r['wall_max_s'] / r['updates']:.0f}" for r in rows)
@@ -247,7 +278,7 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[d
     lines = [f"Per update: T_compute = {1000 * t_comp:.0f} ms (compute-only run); T_comm = {1000 * t_fp32:.0f} ms for "
              f"one reduce-scatter + all-gather of {n_params / 1e6:.2f}M fp32 values over {link}, ideal (each method's "
              f"own below, in the bytes it moves). Bounds: DPU max(T_compute, T_comm), ACCO max(T_compute, 2 T_comm), "
-             f"CO2 max(T_compute, T_comm / {args.local_steps}), others T_compute + T_comm."]
+             f"CO2 max(T_compute, T_comm / {co2_overlap_steps('co2', args.local_steps)}), others T_compute + T_comm."]
     if probe:
         t_real = probe["round_s"]
         gloo_note = probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"]

@@ -13,13 +13,15 @@
    ``engine.step`` per micro-batch, writing one JSON line per committed update to
    ``DIR/rank<R>.jsonl`` (update, samples, wall seconds since the start, mean train loss of the
    update's micro-batches on this rank, cumulative communication wait, lr);
-4. evaluates the newest committed parameters (under ``engine.committed_parameters()`` when the
-   engine has it) on the fixed held-out windows at update 0, every ``--eval-every`` updates and at
-   ``--updates``; the ranks split the windows and all-reduce the loss, so every rank takes the same
-   decision to stop. The clock is paused while the parameters are copied (our engines finish their
-   in-flight communication job to produce committed parameters, a stall real training, which
-   evaluates rarely, does not have; recorded as ``snapshot_s``) and while they are evaluated
-   (``eval_s``);
+4. evaluates the newest committed parameters on the fixed held-out windows at update 0, every
+   ``--eval-every`` updates and at ``--updates``; the ranks split the windows and all-reduce the
+   loss, so every rank takes the same decision to stop. The copy is taken right after the step that
+   committed the update, under ``engine.committed_parameters(wait=False)``: the parameters that
+   have landed, without waiting for the job in flight, so evaluation never changes when a method
+   communicates. The clock is paused while the parameters are copied (``snapshot_s``) and
+   evaluated (``eval_s``), except for the part of the pause during which a communication job was
+   still running (``eval_comm_s``, charged to the clock: a run without evaluation would have had to
+   wait for or overlap that communication on the clock);
 5. stops after ``--updates`` committed updates (the equal-samples point), or, with
    ``--target-loss``, at the first evaluation at or past ``--updates`` whose loss is at or below the
    target, and at ``--max-updates`` at the latest. The LR schedule's horizon is ``--updates`` for
@@ -27,7 +29,9 @@
 6. writes ``DIR/rank<R>.summary.json``: totals, the validation losses, the wall-clock at
    ``--updates`` and when (if) the target was first reached.
 
-Wall-clock excludes process start-up and ``initialize`` (reported separately as ``init_s``). A
+Wall-clock excludes process start-up and ``initialize`` (reported separately as ``init_s``);
+``process_wall_s`` (start of this worker to the end of training) = ``init_s`` + ``final_wall_s`` +
+``snapshot_s`` + ``eval_s`` - ``eval_comm_s``, which a test checks. A
 config that the engine refuses (``ValueError``) is written to ``DIR/error.txt`` for the bench to
 report.
 """
@@ -39,6 +43,19 @@ import resource
 import sys
 import time
 import traceback
+
+
+def _sync_updates(text: str):
+    """``--warmup-sync-updates``: 'auto' or an integer >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
+    return value
 
 
 def parse_args(argv=None):
@@ -71,8 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--local-steps", type=int, default=12)
-    p.add_argument("--warmup-sync-updates", type=int, default=0)
+    p.add_argument("--local-steps", type=int, default=None, help="CO2 (default: the engine's)")
+    p.add_argument("--warmup-sync-updates", type=_sync_updates, default=None,
+                   help="DPU, ACCO, CO2: 'auto' or N (default: the engine's)")
     p.add_argument("--sync-after-updates", type=int, default=None)
     p.add_argument("--group-size", type=int, default=1, help="CO2: ranks that average gradients every step")
     p.add_argument("--outer-lr", type=float, default=None)
@@ -193,10 +211,49 @@ def _system_cpu():
 
 
 def _snapshot(engine):
-    """CPU copy of the newest committed parameters (``engine.committed_parameters()`` when available)."""
+    """CPU copy of the newest committed parameters that have landed, taken without waiting for the
+    communication job in flight (``engine.committed_parameters(wait=False)``; DeepSpeed's engines
+    and the compute-only run hold them in the model). Called right after the ``step()`` that
+    committed an update, where every type has them (docs/bench.md, "The clock")."""
     committed = getattr(engine, "committed_parameters", None)
-    with (committed() if callable(committed) else contextlib.nullcontext()):
+    with (committed(wait=False) if callable(committed) else contextlib.nullcontext()):
         return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
+
+
+class _JobWatch:
+    """While the clock is paused, notes when the communication job that was in flight finishes: that
+    part of the pause is communication a run without evaluation would have had to do on the clock,
+    so it goes back on the clock (the job keeps running; nothing waits for it)."""
+
+    POLL_S = 0.002
+
+    def __init__(self, engine):
+        import threading
+        self.start = time.perf_counter()
+        self.done_at = None
+        self._in_flight = lambda: bool(getattr(engine, "communication_in_flight", False))
+        self._stop = threading.Event()
+        self._thread = None
+        if self._in_flight():
+            self._thread = threading.Thread(target=self._watch, name="bench-job-watch", daemon=True)
+            self._thread.start()
+        else:
+            self.done_at = self.start
+
+    def _watch(self):
+        while not self._stop.is_set():
+            if not self._in_flight():
+                self.done_at = time.perf_counter()
+                return
+            self._stop.wait(self.POLL_S)
+
+    def overlap_s(self) -> float:
+        """Seconds of the pause so far during which the job ran (the watch ends here)."""
+        now = time.perf_counter()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return (self.done_at if self.done_at is not None else now) - self.start
 
 
 def evaluate(model, windows, batch_size: int) -> float:
@@ -300,25 +357,40 @@ def run(args) -> dict:
     device = getattr(engine, "device", None) or next(engine.module.parameters()).device
     train_batch_size = args.micro_batch * args.grad_accum * world
 
-    val, snapshot_s, eval_s = {}, 0.0, 0.0
+    # The clock stops only for what a run without evaluation would not do: copying the committed
+    # parameters (snapshot_s) and evaluating them (eval_s). A communication job in flight keeps
+    # running meanwhile; the part of the pause it ran for is charged back (eval_comm_s), so no
+    # method gets communication off the clock.
+    val, snapshot_s, eval_s, eval_comm_s, landed_waits = {}, 0.0, 0.0, 0.0, 0
 
     def validate(update):
-        nonlocal snapshot_s, eval_s
-        ts = time.perf_counter()
-        state = _snapshot(engine)
+        nonlocal snapshot_s, eval_s, eval_comm_s, landed_waits
+        try:
+            watch = _JobWatch(engine)
+            ts = time.perf_counter()
+            state = _snapshot(engine)
+        except LookupError:  # not at a commit (cannot happen in this loop): wait on the clock, then copy
+            landed_waits += 1
+            engine.synchronize()
+            watch = _JobWatch(engine)
+            ts = time.perf_counter()
+            state = _snapshot(engine)
         te = time.perf_counter()
         val[update] = validator(state)
+        overlap = watch.overlap_s()
+        tf = time.perf_counter()
         snapshot_s += te - ts
-        eval_s += time.perf_counter() - te
+        eval_s += tf - te
+        eval_comm_s += min(max(overlap, 0.0), tf - ts)
 
-    if validator is not None:
-        validate(0)
     log = open(os.path.join(args.run_dir, f"rank{rank}.jsonl"), "w", buffering=1)
     if dist.is_initialized():
         dist.barrier()
     t0 = time.perf_counter()
     cpu0, sys0 = time.process_time(), _system_cpu()
     init_s = t0 - t_proc
+    if validator is not None:
+        validate(0)
     micro, losses, committed, slow_s = 0, [], 0, 0.0
     wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = None, None, None, None
     reached_update, reached_wall = None, None
@@ -327,7 +399,7 @@ def run(args) -> dict:
         reached_update, reached_wall = 0, 0.0
 
     def paused() -> float:
-        return snapshot_s + eval_s
+        return snapshot_s + eval_s - eval_comm_s
 
     while True:
         x = torch.from_numpy(sampler.micro_batch_at(micro)).to(device)
@@ -361,7 +433,7 @@ def run(args) -> dict:
         losses = []
         if committed == args.updates:
             wall_at_updates, cpu_at_updates, sys_at_updates = wall, time.process_time() - cpu0, _system_cpu()
-            paused_at_updates = snapshot_s
+            paused_at_updates = paused()
         if validator is not None and is_eval_update(committed, args.eval_every, args.updates):
             validate(committed)
             if target is not None and reached_update is None and val[committed] <= target:
@@ -369,7 +441,8 @@ def run(args) -> dict:
         if committed >= args.max_updates or (committed >= args.updates
                                              and (target is None or reached_update is not None)):
             break
-    final_wall = time.perf_counter() - t0 - paused()  # the clock stops while parameters are copied/evaluated
+    t_end = time.perf_counter()
+    final_wall = t_end - t0 - paused()  # the clock stops while parameters are copied/evaluated
     cpu_s, sys1 = time.process_time() - cpu0, _system_cpu()
     log.close()
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
@@ -380,14 +453,15 @@ def run(args) -> dict:
     # The equal-samples numbers are those at --updates; CPU accounting too, so that the noise check
     # covers the same span as the wall-clock it qualifies.
     if wall_at_updates is None:
-        wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = final_wall, cpu_s, sys1, snapshot_s
+        wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = final_wall, cpu_s, sys1, paused()
     summary = dict(method=args.method, rank=rank, node=node, world_size=world, updates=at_updates,
                    final_update=committed, micro_batches=micro,
                    samples=engine_samples if args.dynamic_accumulation else at_updates * train_batch_size,
                    engine_samples=engine_samples, precision=args.precision,
                    train_batch_size=train_batch_size, wall_s=wall_at_updates, final_wall_s=final_wall,
-                   init_s=init_s, snapshot_s=snapshot_s, eval_s=eval_s, snapshot_at_updates_s=paused_at_updates,
-                   wall_incl_copies_s=final_wall + snapshot_s,
+                   init_s=init_s, snapshot_s=snapshot_s, eval_s=eval_s, paused_at_updates_s=paused_at_updates,
+                   eval_comm_s=eval_comm_s, landed_waits=landed_waits, evaluations=len(val),
+                   process_wall_s=t_end - t_proc,
                    target_loss=target, reached_update=reached_update, reached_wall_s=reached_wall,
                    max_updates=args.max_updates,
                    slow_sleep_s=slow_s, comm_wait_s=None if wait is None else float(wait),
