@@ -13,6 +13,8 @@ MICRO_BATCH = 4
 
 
 def make_config(kind, accumulation, **params):
+    if kind in ("DPU", "ACCO"):
+        params.setdefault("warmup_sync_updates", 0)  # the rule from update 0 ("auto": test_defaults.py)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
               "gradient_clipping": 1.0, "steps_per_print": 1000,
               "optimizer": {"type": kind, "params": dict(lr=1e-2, weight_decay=0.1, **params)},

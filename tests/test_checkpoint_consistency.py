@@ -41,6 +41,8 @@ FP16_DYNAMIC = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "los
 
 
 def make_config(kind, accumulation=2, precision=None, **params):
+    if kind in ("DPU", "ACCO"):
+        params.setdefault("warmup_sync_updates", 0)  # the rule from update 0 ("auto": test_defaults.py)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
               "gradient_clipping": CLIPPING, "steps_per_print": 10_000,
               "optimizer": {"type": kind, "params": dict(lr=LR, weight_decay=WEIGHT_DECAY, **params)},

@@ -8,26 +8,34 @@ from reference_sim import TinyNet, batch, flat_trainable, loss_fn, param_groups,
 
 LR, WEIGHT_DECAY, ACCUMULATION, LOCAL_STEPS, ROUNDS = 1e-2, 0.1, 2, 3, 4
 
+PAPER = dict(anchor_merge_steps=0)  # the paper's restart rule (docs/design.md 3.5), no longer the default
 VARIANTS = {
+    # "adaptive" without anchor_merge_steps: the paper's rule, the only one the adaptive penalty is defined for
     "adaptive": dict(gap_penalty="adaptive", outer_lr=1.0, outer_momentum=0.5),
-    "constant": dict(gap_penalty=2.0, outer_lr=0.8, outer_momentum=0.3),
+    "constant": dict(gap_penalty=2.0, outer_lr=0.8, outer_momentum=0.3, **PAPER),
     "adaptive-clip": dict(gap_penalty="adaptive", outer_lr=1.0, outer_momentum=0.5, clip_threshold=2e-3),
-    "constant-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9, clip_threshold=2e-3),
-    "loose-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9, clip_threshold=1e3),
-    "no-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9),
-    "local-sgd": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.0),
-    # Options from the local-SGD literature (issue 16), each against the simulation.
+    "constant-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9, clip_threshold=2e-3, **PAPER),
+    "loose-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9, clip_threshold=1e3, **PAPER),
+    "no-clip": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.9, **PAPER),
+    "local-sgd": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.0, **PAPER),
+    # anchor_merge_steps H: eager merging of the anchor H inner steps into the next round
     "eager-h1": dict(gap_penalty=1.0, outer_lr=1.0, outer_momentum=0.0, anchor_merge_steps=1),
     "eager-tau": dict(gap_penalty=1.5, outer_lr=0.8, outer_momentum=0.5, anchor_merge_steps=LOCAL_STEPS),
-    "nesterov": dict(gap_penalty=1.0, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True),
-    "normalize": dict(gap_penalty=1.0, outer_lr=0.5, outer_momentum=0.5, normalize_by_inner_lr=True),
-    "warmup": dict(gap_penalty=1.0, outer_lr=0.5, outer_momentum=0.0, warmup_sync_updates=LOCAL_STEPS),
-    "defaults": dict(),
+    "nesterov": dict(gap_penalty=1.0, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True, **PAPER),
+    "normalize": dict(gap_penalty=1.0, outer_lr=0.5, outer_momentum=0.5, normalize_by_inner_lr=True, **PAPER),
+    "warmup": dict(gap_penalty=1.0, outer_lr=0.5, outer_momentum=0.0, warmup_sync_updates=LOCAL_STEPS, **PAPER),
+    "defaults": dict(),  # eager merge one inner step into each round (local_steps is set by the test)
 }
 # The engine's keys -> the simulation's (and a scheduler where the variant needs the LR to change).
 _SIM_NAMES = {"outer_nesterov": "nesterov", "normalize_by_inner_lr": "normalize", "warmup_sync_updates": "warmup"}
 _SCHEDULED = {"normalize"}
-_ENGINE_DEFAULTS = dict(gap_penalty=1.0, outer_lr=0.5, outer_momentum=0.0)  # CO2Params' defaults
+_ENGINE_DEFAULTS = dict(gap_penalty=1.0, outer_lr=0.5, outer_momentum=0.0, anchor_merge_steps=1)  # CO2Params'
+
+
+def _eager(name):
+    """Whether the variant merges eagerly (an adaptive penalty without anchor_merge_steps: the paper's rule)."""
+    options = VARIANTS[name]
+    return options.get("anchor_merge_steps", 0 if options.get("gap_penalty") == "adaptive" else 1) != 0
 
 
 def _scheduler_section():
@@ -39,6 +47,8 @@ def _sim_options(name):
     options = {_SIM_NAMES.get(key, key): value for key, value in VARIANTS[name].items()}
     for key, value in _ENGINE_DEFAULTS.items():
         options.setdefault(key, value)
+    if not _eager(name):
+        options["anchor_merge_steps"] = None  # the simulation's name for the paper's rule
     if name in _SCHEDULED:
         from deepspeed.runtime.lr_schedules import WarmupLR
         params = _scheduler_section()["params"]
@@ -98,7 +108,7 @@ def _check_against_simulation(results, world_size, name, group_size):
     assert difference <= 1e-6, f"{name}, group_size={group_size}: what rank 0 holds differs by {difference}"
     difference = (ours["committed"] - torch.cat([t.reshape(-1) for t in committed])).abs().max().item()
     assert difference <= 1e-6, f"{name}, group_size={group_size}: the newest anchor differs by {difference}"
-    if "anchor_merge_steps" not in VARIANTS[name]:
+    if not _eager(name):
         for rank_result in results:  # every replica restarts from the same anchor
             assert torch.equal(rank_result[(name, group_size, True)]["holds"], ours["holds"])
 

@@ -43,6 +43,8 @@ LOSS_TOLERANCE = {"q8": 0.005, "q4": 0.02}
 
 def make_config(kind, accumulation=2, zero=None, bits=None, scheduler=True, **params):
     params = dict(lr=1e-2, weight_decay=0.1, **params)
+    if kind in ("DPU", "ACCO"):
+        params.setdefault("warmup_sync_updates", 0)  # the rule from update 0 ("auto": test_defaults.py)
     if kind == "CO2":
         params.setdefault("local_steps", 3)
     if bits is not None:

@@ -148,7 +148,7 @@ def _scheduler_worker(rank, world_size):
     import deepspeed_acco
     model = TinyNet(seed=0)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
-              "optimizer": {"type": "ACCO", "params": {"lr": 1e-2}},
+              "optimizer": {"type": "ACCO", "params": {"lr": 1e-2, "warmup_sync_updates": 0}},  # the rule from update 0 ("auto": test_defaults.py)
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                            "warmup_num_steps": 4, "warmup_type": "linear"}}}
     engine, optimizer, _, scheduler = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(),

@@ -14,8 +14,11 @@ ACCUMULATION = 4  # ACCO halves of 2: A_0 = [0, 1], B_0 = [2, 3], A_1 = [4, 5], 
 
 
 def _config(kind, **extra):
+    params = {"lr": 1e-2}
+    if kind in ("DPU", "ACCO"):
+        params["warmup_sync_updates"] = 0  # the rule from update 0 ("auto": test_defaults.py)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
-              "steps_per_print": 1000, "optimizer": {"type": kind, "params": {"lr": 1e-2}},
+              "steps_per_print": 1000, "optimizer": {"type": kind, "params": params},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                            "warmup_num_steps": 10, "warmup_type": "linear"}}}
     config.update(extra)

@@ -51,10 +51,11 @@ class CO2Params(WarmupParams, AdamWParams):
 
     Defaults (docs/design.md, 3.5): eager merge one inner step into each round (anchor_merge_steps
     1) with local_steps 4, the settings that were level with ZeRO-1 at 720 updates over four seeds
-    (docs/co2_convergence.md, 6.8); the outer rule's alpha_o 0.5, beta_o 0, lambda 1, which those
-    runs used, are stable under both rules: applied one round late (the paper's rule,
-    anchor_merge_steps 0) it converges along a direction that a round of local steps resolves only
-    while alpha_o / lambda < 1 - beta_o (docs/co2_convergence.md); the CO2 paper's alpha_o 1,
+    (docs/studies/co2_convergence.md, 6.6; local_steps 6 was worse, 6.8). The outer rule's
+    alpha_o 0.5, beta_o 0, lambda 1, which those runs used, are stable under both rules: applied one
+    round late (the paper's rule, anchor_merge_steps 0) it converges along a direction that a round
+    of local steps resolves only while alpha_o / lambda < 1 - beta_o
+    (docs/studies/co2_convergence.md, 3); the CO2 paper's alpha_o 1,
     beta_o 0.5 sit past that edge and stall.
     """
 
@@ -93,8 +94,9 @@ class CO2Params(WarmupParams, AdamWParams):
     def validate(self, prefix: str) -> None:
         if self.warmup_sync_updates == AUTO:
             raise config_error(f"{prefix}.warmup_sync_updates", "\"auto\" is derived for DPU and ACCO; a "
-                               "synchronous warm-up made CO2 learn more slowly late in a run (docs/co2_convergence.md, "
-                               "6.7)", "use an integer number of synchronous inner steps (default 0)")
+                               "synchronous warm-up made CO2 learn more slowly late in a run "
+                               "(docs/studies/co2_convergence.md, 6.7)",
+                               "use an integer number of synchronous inner steps (default 0)")
         if self.gap_penalty == ADAPTIVE and "anchor_merge_steps" not in self.given:
             self.anchor_merge_steps = 0  # the adaptive penalty is defined for the paper's rule only
         super().validate(prefix)
@@ -126,7 +128,7 @@ class CO2Params(WarmupParams, AdamWParams):
         self._warn_if_unstable(prefix)
 
     def _warn_if_unstable(self, prefix: str) -> None:
-        """The linear stability bound of the outer iteration (docs/co2_convergence.md, section 3)."""
+        """The linear stability bound of the outer iteration (docs/studies/co2_convergence.md, section 3)."""
         if self.gap_penalty == ADAPTIVE:
             return
         ratio = self.outer_lr / float(self.gap_penalty)
@@ -137,7 +139,7 @@ class CO2Params(WarmupParams, AdamWParams):
         if ratio >= bound:
             logger.warning("deepspeed_acco config: %s: outer_lr / gap_penalty = %.3g is outside the stable range "
                            "(< %.3g) of the CO2 outer iteration applied %s; expect the anchor to oscillate instead "
-                           "of converging (docs/co2_convergence.md)", prefix, ratio, bound, rule)
+                           "of converging (docs/studies/co2_convergence.md)", prefix, ratio, bound, rule)
 
 
 class OuterWaitMonitor:

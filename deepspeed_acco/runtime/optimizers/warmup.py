@@ -7,7 +7,7 @@ scheduler step per committed update):
 2. it knows only its LR warm-up W (updates): N = 4 * W;
 3. it knows neither (no scheduler, or one whose shape says nothing): N = 0.
 
-Evidence (docs/acco_convergence.md, "What the gap is made of" and "Against the issue's target"):
+Evidence (docs/studies/acco_convergence.md, "What the gap is made of" and "Against the 1% target"):
 a synchronous sixth kept ACCO within 1% of ZeRO-1 at 300 and 720 updates (120 of 720, four
 seeds) and at 240 updates (40 of 240, one seed); without it ACCO ended +6.5% at 720. On the
 240-update run the sixth was 4 times the LR warm-up of 10 updates, hence rule 2.
