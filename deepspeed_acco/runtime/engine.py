@@ -358,6 +358,12 @@ class AccoEngine(DeepSpeedEngine):
         model's (DeepSpeed's rule; fp32 with compressed gradients, whose int8 codes quantise fp32 sums)."""
         return self.engine_config.communication_torch_dtype
 
+    def memory_breakdown(self) -> Dict[str, Any]:
+        """The buffers this rank's engine holds, in bytes and bytes per parameter, by category
+        (docs/design.md, "Memory: bytes per parameter per rank"; :mod:`deepspeed_acco.runtime.memory`)."""
+        from .memory import engine_breakdown
+        return engine_breakdown(self)
+
     @property
     def is_compiled(self) -> bool:
         return False
