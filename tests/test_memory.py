@@ -132,7 +132,9 @@ def _deepspeed(rank, world_size):
         measured = deepspeed_breakdown(engine)
         predicted = deepspeed_zero1_formula(measured["padded_numels"], world_size, measured["model_dtype"],
                                             num_parameters=measured["num_parameters"])
-        results[precision] = {"measured": measured, "predicted": predicted}
+        _train(engine, rank, _DTYPES[precision], 1)  # ends the update: DeepSpeed releases the gradients
+        from deepspeed_acco.bench.memory import engine_memory
+        results[precision] = {"measured": measured, "predicted": predicted, "bench": engine_memory(engine)}
     return results
 
 
@@ -168,6 +170,9 @@ def test_breakdown_matches_formula_at_two_ranks_and_deepspeed_zero1():
                     assert measured["categories"][name] == value, \
                         f"DeepSpeed {precision}: {name}: measured {measured['categories'][name]}, formula {value}"
             assert measured["categories"]["other"] <= 0.02 * measured["total_bytes"], measured["categories"]
+            bench = deepspeed["bench"]  # at the end of an update, as the bench measures it
+            assert bench["gradients_from_sizes"]
+            assert bench["total_bytes"] - bench["categories"]["other"] == predicted["total_bytes"]
     # ACCO in bf16 (default: bf16 communication) against DeepSpeed ZeRO-1 in bf16: 6 bytes per padded
     # parameter (the fp32 accumulator's 2 more than DeepSpeed's bf16 gradients, the bf16 gradient
     # snapshot, the gathered estimate) plus, per shard element, 14 (reduced bf16 2, fp32 shard
@@ -211,3 +216,20 @@ def test_formula_bytes_per_parameter_at_eight_ranks():
     assert zero1 == pytest.approx(4 + 12 / 8)
     with pytest.raises(ValueError, match="no memory formula"):
         predicted_breakdown("SGD", P, W)
+
+
+def test_bench_memory_table():
+    """The bench report's table: bytes/param by category per method, and the peak per rank."""
+    from deepspeed_acco.bench.memory import memory_table
+    from deepspeed_acco.runtime.memory import predicted_breakdown
+    acco = predicted_breakdown("ACCO", 256 * 8, 8, "bf16")
+    dpu = predicted_breakdown("DPU", 256 * 8, 8, "bf16")
+    table = memory_table({"ACCO": [{"memory": acco, "peak_rss_mib": 100.0}, {"memory": acco, "peak_rss_mib": 120.0}],
+                          "DPU": [{"memory": dpu, "peak_rss_mib": 90.0, "peak_gpu_mib": 50.0}],
+                          "compute-only": [{"memory": None, "peak_rss_mib": 10.0}]})
+    lines = table.splitlines()
+    assert lines[0] == "| bytes/param/rank | ACCO | DPU |"
+    assert "| acco_first_half | 0.50 | 0.00 |" in lines
+    assert "| **total** | 12.75 | 12.25 |" in lines
+    assert lines[-1] == "| peak MiB per rank | 120 (RSS) | 50 (GPU) |"
+    assert memory_table({"compute-only": [{"memory": None}]}) == ""

@@ -307,6 +307,21 @@ def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[di
     return out
 
 
+def memory_section(results: Sequence[RunResult]) -> str:
+    """Markdown: each method's held buffers in bytes/param/rank and its peak memory per rank (the
+    first run of each method; memory does not depend on the link)."""
+    from .memory import memory_table
+    columns = {}
+    for r in results:
+        if r.method != "compute" and r.label not in columns:
+            columns[r.label] = list(r.summaries.values())
+    table = memory_table(columns)
+    if not table:
+        return ""
+    return ("### Memory per rank: buffers in bytes per parameter (engine.memory_breakdown(); DeepSpeed walked "
+            "the same way) and peak memory\n\n" + table + "\n")
+
+
 def markdown_table(rows: Sequence[dict]) -> str:
     """The equal-samples table."""
     head = ["method", "comm", "wall (s)", "ms/update", "x compute", "samples/s", "speedup vs ZeRO-1", "comm wait (s)",

@@ -162,6 +162,7 @@ def finish(args, out, results, failed, meta, rates) -> None:
                 sweep_points.append(dict(method=r["method"], link_bps=measured, speedup=r["speedup_vs_zero1"],
                                          ttt_speedup=r["ttt_speedup_vs_zero1"],
                                          bound_speedup=(base["ms_per_update"] / 1000.0) / b if b else None))
+    md += [section for section in [report.memory_section(results)] if section]
     md.append(report.TABLE_NOTES + "\n")
     if args.target_loss is not None:
         md.append(report.TTT_NOTES + "\n")

@@ -471,6 +471,8 @@ def run(args) -> dict:
                    n_params=n_params, slow_factor=slow_factor, engine=type(engine).__name__,
                    val_windows=args.val_windows, val={str(k): v for k, v in sorted(val.items())},
                    corpus=corpus.describe(), torch_threads=torch.get_num_threads())
+    from .memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
+    summary["memory"] = engine_memory(engine)
     with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if dist.is_initialized():
