@@ -172,7 +172,10 @@ class Schedule:
         self.micro_batch_size = config.batch.micro_batch_size
         self.train_batch_size = config.batch.train_batch_size
         self.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
-        self.warmup_sync_updates = int(getattr(self.params, "warmup_sync_updates", 0))
+        warmup = getattr(self.params, "warmup_sync_updates", 0)
+        # "auto" is resolved from the LR scheduler by the builder (runtime/optimizers/warmup.py), which
+        # sets this; a schedule built without one starts without a warm-up.
+        self.warmup_sync_updates = 0 if warmup == "auto" else int(warmup)
         self.sync_after_updates: Optional[int] = getattr(self.params, "sync_after_updates", None)
         self.phase = next(iter(self.Phase))
         self.round_micro_batches = 0
