@@ -106,6 +106,7 @@ def _ours(rank, world_size, runs):
         options = {"num_parameters": measured["num_parameters"], "backend": "gloo",
                    "group_size": getattr(schedule.params, "group_size", 1),
                    "anchor_merge_steps": getattr(schedule.params, "anchor_merge_steps", None),
+                   "outer_communication_dtype": communication or "fp32",
                    "compression": {"gradients": zero.get("zero_quantized_gradients", False),
                                    "weights": zero.get("zero_quantized_weights", False)}}
         predicted = predicted_breakdown(kind, measured["padded_numels"], world_size, measured["model_dtype"],
@@ -208,10 +209,13 @@ def test_formula_bytes_per_parameter_at_eight_ranks():
     assert total("ShardedAdamW") == pytest.approx(10.25)
     assert total("DPU") == pytest.approx(12.25)  # + the gathered parameters (bf16)
     assert total("ACCO") == pytest.approx(12.75)  # + the kept first-half sum (fp32 shard)
-    # CO2 (group_size 1: the inner update is not sharded): 8 + 18 + 2 (displacement) + 8 (fp32
-    # replica state) + 12 / 8 (outer) + 2 / 8 (mean displacement) + 4 (eager mode's boundary masters).
-    assert total("CO2", anchor_merge_steps=1) == pytest.approx(8 + 18 + 2 + 8 + 14 / 8 + 4)
-    assert total("CO2", group_size=8, anchor_merge_steps=None) == pytest.approx(8 + 18 / 8 + 2 + 8 + 14 / 8)
+    # CO2 (group_size 1: the inner update is not sharded): 8 + 18 + 4 (fp32 displacement: the outer
+    # job averages parameters in fp32) + 8 (fp32 replica state) + 12 / 8 (outer) + 4 / 8 (mean
+    # displacement) + 4 (eager mode's boundary masters).
+    assert total("CO2", anchor_merge_steps=1) == pytest.approx(8 + 18 + 4 + 8 + 16 / 8 + 4)
+    assert total("CO2", group_size=8, anchor_merge_steps=0) == pytest.approx(8 + 18 / 8 + 4 + 8 + 16 / 8)
+    assert total("CO2", anchor_merge_steps=1, outer_communication_dtype="bf16") == pytest.approx(
+        8 + 18 + 2 + 8 + 14 / 8 + 4)
     zero1 = deepspeed_zero1_formula(P, W, "bf16")["bytes_per_parameter"]["total"]
     assert zero1 == pytest.approx(4 + 12 / 8)
     with pytest.raises(ValueError, match="no memory formula"):

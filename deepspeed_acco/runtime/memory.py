@@ -252,7 +252,8 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
     ``padded_numels``: each flat group's padded length (one int: one group); ``world_size`` W;
     dtypes as torch dtypes or "fp32"/"bf16"/"fp16" (the communication dtype defaults to the
     model's). ``options``: ``num_parameters`` (the real count, for bytes per parameter; default the
-    padded total), ``group_size`` and ``anchor_merge_steps`` (CO2), ``compression``
+    padded total), ``group_size``, ``anchor_merge_steps`` and ``outer_communication_dtype`` (CO2; the
+    last fp32 unless the config gives ``communication_data_type``), ``compression``
     (``{"gradients", "weights", "bits", "block_size"}``), ``backend`` ("gloo" adds the ring
     reduce-scatter's buffers; default "nccl").
     """
@@ -263,6 +264,8 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
     numels = [int(padded_numels)] if isinstance(padded_numels, int) else [int(n) for n in padded_numels]
     model_bytes = DTYPE_BYTES[_dtype(model_dtype)]
     comm_bytes = DTYPE_BYTES[_dtype(communication_dtype if communication_dtype is not None else model_dtype)]
+    # CO2's outer averaging moves parameters, not gradients: fp32 unless communication_data_type is given.
+    outer_bytes = DTYPE_BYTES[_dtype(options.get("outer_communication_dtype", "fp32"))]
     compression = dict(options.get("compression") or {})
     backend = options.get("backend", "nccl")
     group = int(options.get("group_size", 1)) if kind == "co2" else world_size
@@ -286,15 +289,15 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
             outer = padded // world_size
             c["co2_outer"] += 12 * outer
             c["co2_replica"] += 8 * padded
-            if options.get("anchor_merge_steps") is not None:
+            if options.get("anchor_merge_steps"):  # 0 or None: the paper's rule keeps no boundary masters
                 c["co2_replica"] += 4 * inner  # the inner masters kept from the boundary to the merge
-            c["communication"] += comm_bytes * padded + comm_bytes * outer  # displacement and its mean
+            c["communication"] += outer_bytes * padded + outer_bytes * outer  # displacement and its mean
             c["compression"] += _compression_bytes(padded, world_size, compression)
         c["compression"] += _compression_bytes(padded, group, compression)
     if not compression.get("gradients"):
         c["communication"] += _ring_bytes([n // group for n in numels], group, comm_bytes, backend)
         if kind == "co2":
-            c["communication"] += _ring_bytes([n // world_size for n in numels], world_size, comm_bytes, backend)
+            c["communication"] += _ring_bytes([n // world_size for n in numels], world_size, outer_bytes, backend)
     result = _result(c, int(options.get("num_parameters", sum(numels))), world_size)
     result.update(optimizer_type=optimizer_type, model_dtype=str(_dtype(model_dtype)).replace("torch.", ""),
                   communication_dtype=str(_dtype(communication_dtype if communication_dtype is not None

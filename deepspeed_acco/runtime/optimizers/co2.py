@@ -369,7 +369,10 @@ class CO2(Schedule):
         self.group_size = self.params.group_size
         self.num_groups = self.world_size // self.group_size
         self.group_index = self.rank // self.group_size
-        dtype = context.config.communication_torch_dtype
+        # The outer job averages parameters, not gradients: DeepSpeed's rule for gradients (the model's
+        # dtype) does not apply, and the eager-merge evidence (docs/studies/co2_convergence.md) averaged
+        # them in fp32. An explicit communication_data_type still applies to it.
+        dtype = context.config.communication_torch_dtype if context.config.communication_dtype_given else torch.float32
         self.outers = [OuterState(flat, outer_communicator.world_size, outer_communicator.rank, dtype)
                        for flat in self.flats]
         self.inner_steps_in_round = 0
