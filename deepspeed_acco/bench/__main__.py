@@ -104,6 +104,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench",
                                 description=__doc__.split("\n\n")[1],
@@ -194,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-timeout", type=float, default=0, help="seconds per job (0: 120 + 20 x updates run)")
     g.add_argument("--no-comm-probe", action="store_true",
                    help="skip timing the collectives of one update round on each shaped link")
+    g.add_argument("--fault", default="", metavar="KIND@U",
+                   help="inject a fault on node 1 once update U is committed, and report how every rank ends "
+                        "(docs/faults.md): link-down@U (its link goes down for good), flap:S@U (down for S seconds, "
+                        "then up), node-kill@U (SIGKILL to all of its processes); our methods only, no compute-only "
+                        "run, no comm probe; --bandwidth auto means 100mbit here")
+    g.add_argument("--communication-timeout-s", type=_positive_float, default=None,
+                   help="our methods' communication_timeout_s (default: the engine's, 300 s); fault runs use a "
+                        "short one")
     g.add_argument("--repeat", type=_positive_int, default=1,
                    help="run every job N times, interleaved (rotating the order), and report median timings")
     g = p.add_argument_group("output")
@@ -236,6 +254,8 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
             out += [flag, str(value)]
     if args.data:
         out += ["--data", args.data]
+    if args.communication_timeout_s is not None and parse_variant(method).method.ours:
+        out += ["--communication-timeout-s", repr(args.communication_timeout_s)]
     if args.slow_rank:
         out += ["--slow-rank", args.slow_rank]
     if dyn and base == "acco":
@@ -523,7 +543,21 @@ def main(argv=None) -> int:
     methods = resolve_methods(args.methods)
     if not methods and args.no_compute_only:
         raise SystemExit("nothing to run: --methods is empty and --no-compute-only is set")
+    if args.fault:  # equal samples only, its own report (bench/faults.py)
+        args.target_loss = None
     check_args(args, methods)
+    if args.fault:
+        from .faults import check_fault_args, run_fault_bench
+        check_fault_args(args, methods)
+        netns.remove_orphans()
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        out = os.path.abspath(args.out or os.path.join("bench_out", stamp))
+        os.makedirs(out, exist_ok=True)
+        command = "python -m deepspeed_acco.bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+        try:
+            return run_fault_bench(args, methods, out, command, machine_info())
+        finally:
+            netns.cleanup_all()
     if args.target_loss == "auto":  # ZeRO-1 first: its loss is the others' target
         methods = [BASELINE] + [m for m in methods if m != BASELINE]
 

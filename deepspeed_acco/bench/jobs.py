@@ -217,11 +217,14 @@ def first_error(run_dir: str) -> Optional[str]:
 
 def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run_dir: str, desc: str, *,
             threads: int, timeout_s: float, progress_total: int, show_progress: bool,
-            module: str = "deepspeed_acco.bench.train") -> bool:
+            module: str = "deepspeed_acco.bench.train", fault=None) -> bool:
     """Run one bench job on ``placement``; True on success. Shows progress from rank 0's log.
 
     Every node's launcher runs in its own session; when one fails the others get 20 s to notice
-    (their ranks' collectives fail) before they are ended too."""
+    (their ranks' collectives fail) before they are ended too. ``fault``: a
+    :class:`~.faults.FaultInjector`, started with the job; once its fault has hit, the launchers are
+    left to exit by themselves until its ``deadline()``, and ended (``fault_overdue`` in job.json)
+    only after it."""
     os.makedirs(run_dir, exist_ok=True)
     commands = node_commands(placement, launcher, module, module_args, run_dir, threads,
                              job_id=f"bench{os.getpid()}")
@@ -241,7 +244,10 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
     counters_before = link_counters(placement)
     procs, logs = [], []
     failed_at = None
+    overdue = False
     try:
+        if fault is not None:
+            fault.start()
         for c, path in zip(commands, log_paths):
             log = open(path, "w")
             logs.append(log)
@@ -249,7 +255,7 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
                                           start_new_session=True, cwd=package_root()))
         seen = 0
         while any(p.poll() is None for p in procs):
-            time.sleep(0.5)
+            time.sleep(0.5 if fault is None else 0.1)
             if bar is not None:
                 n, last = _count_rows(rows_path)
                 if n > seen:
@@ -259,7 +265,14 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
                         bar.set_postfix_str(f"loss {last['loss']:.3f}, {last['wall_s']:.0f} s")
             if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
                 failed_at = time.time()
-            if failed_at is not None and time.time() - failed_at > 20:
+            deadline = None if fault is None else fault.deadline()
+            if deadline is not None:
+                if time.time() > deadline:
+                    overdue = True
+                    print(f"\n{desc}: a rank is still running {deadline - fault.fault_at:.0f} s after the fault; "
+                          f"stopping it", file=sys.stderr)
+                    break
+            elif failed_at is not None and time.time() - failed_at > 20:
                 break
             if time.time() - t_start > timeout_s:
                 print(f"\n{desc}: timed out after {timeout_s:.0f} s; stopping it", file=sys.stderr)
@@ -267,6 +280,8 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
     finally:
         for p in procs:
             kill_group(p)
+        if fault is not None:
+            fault.stop()
         for log in logs:
             log.close()
         if bar is not None:
@@ -277,7 +292,8 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
         json.dump(dict(returncode=max(codes, key=lambda c: c != 0) if codes else None, returncodes=codes,
                        job_s=time.time() - t_start, loadavg_before=load_before, loadavg_after=_loadavg(),
                        placement=placement.describe(), launcher=launcher, traffic=traffic,
-                       commands=[c.argv for c in commands]), f, indent=1)
+                       commands=[c.argv for c in commands],
+                       **({} if fault is None else dict(fault=fault.record(), fault_overdue=overdue))), f, indent=1)
     ok = len(procs) == len(commands) and all(c == 0 for c in codes) \
         and os.path.exists(os.path.join(run_dir, "rank0.summary.json"))
     if not ok:

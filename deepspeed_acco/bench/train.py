@@ -103,6 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default="default")
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--communication-timeout-s", type=float, default=None,
+                   help="our methods: the engine's communication_timeout_s (default: the engine's)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.max_updates = max(args.max_updates, args.updates) if args.target_loss is not None else args.updates
@@ -342,6 +344,8 @@ def run(args) -> dict:
                         warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args),
                         sync_after_updates=args.sync_after_updates,
                         lr_schedule=args.lr_schedule)
+        if args.communication_timeout_s is not None:  # fault runs (bench/faults.py) use a short one
+            cfg["optimizer"]["params"]["communication_timeout_s"] = args.communication_timeout_s
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
                 json.dump(cfg, f, indent=1)
@@ -481,9 +485,21 @@ def run(args) -> dict:
     return summary
 
 
+def _write_failure(run_dir: str, exc: BaseException) -> None:
+    """Record when and why this rank failed during training (bench/faults.py reads it): the wall
+    time, then the error's first line and its traceback."""
+    rank = int(os.environ.get("RANK", 0))
+    with open(os.path.join(run_dir, f"failure_rank{rank}.txt"), "w") as f:
+        f.write(f"{time.time():.3f}\n{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    run(args)
+    try:
+        run(args)
+    except Exception as exc:
+        _write_failure(args.run_dir, exc)
+        raise
     # Everything is written and every rank passed the final barrier: skip the interpreter's slow
     # teardown of torch/DeepSpeed/transformers (~5 s per job on 2 cores).
     sys.stdout.flush()

@@ -100,11 +100,13 @@ def process_group_timeout_s(communication_timeout_s: float) -> float:
 class _CollectiveRecord:
     """One issued collective: when, and (CUDA) the event recorded on the job's stream after it."""
 
-    __slots__ = ("name", "group", "issued_at", "event", "completed")
+    __slots__ = ("name", "group", "peers", "issued_at", "event", "completed")
 
-    def __init__(self, name: str, group: str):
+    def __init__(self, name: str, group: str, peers: Optional[List[int]] = None):
         self.name = name
         self.group = group
+        self.peers = peers or []
+        """The global ranks this collective waits on (for the hang report)."""
         self.issued_at = time.perf_counter()
         self.event: Optional[torch.cuda.Event] = None
         self.completed = False
@@ -113,6 +115,13 @@ class _CollectiveRecord:
         if not self.completed and self.event is not None and self.event.query():
             self.completed = True
         return self.completed
+
+
+def _peer_text(peers: List[int]) -> str:
+    """How a hang report names the ranks a collective waits on."""
+    if len(peers) == 1:
+        return f"peer rank {peers[0]}"
+    return f"one of peer ranks {', '.join(map(str, peers))}" if peers else "a peer rank"
 
 
 # The records of the job running on this thread (the CPU worker, or the training thread while it
@@ -320,11 +329,17 @@ class Communicator:
         self._ring_buffers = {}
         self._released = True
 
-    def _run(self, collective: str, fn: Callable[[], Any]) -> None:
+    def _peers(self, members: Optional[List[int]] = None) -> List[int]:
+        """Global ranks of ``members`` (this communicator's ranks; default: all) other than this one."""
+        members = range(self.world_size) if members is None else members
+        return sorted({self.global_ranks[m] for m in members if m != self.rank})
+
+    def _run(self, collective: str, fn: Callable[[], Any], peers: Optional[List[int]] = None) -> None:
         if self._released:
             raise CommunicationError(f"collective {collective} on process group {self.name!r}: the engine was "
                                      f"destroyed (engine.destroy()) and its process groups released")
-        record = _CollectiveRecord(collective, self.name)
+        peers = self._peers() if peers is None else peers
+        record = _CollectiveRecord(collective, self.name, peers)
         records = getattr(_running_job, "records", None)
         if records is not None:
             records.append(record)
@@ -333,7 +348,8 @@ class Communicator:
                 fn()
         except Exception as error:
             raise CommunicationError(f"collective {collective} on process group {self.name!r} failed on rank "
-                                     f"{self.rank} (world size {self.world_size}): {error}") from error
+                                     f"{self.rank} (world size {self.world_size}, waiting on "
+                                     f"{_peer_text(peers)}): {error}") from error
         if self.backend == "nccl":
             # Enqueued, not done: the collective completes when the job's stream passes this event.
             record.event = torch.cuda.Event()
@@ -346,8 +362,9 @@ class Communicator:
         if self.local:
             output.copy_(input)
             return
-        if self.ring_reduce_scatter:
-            self._run("reduce_scatter", lambda: self._ring_reduce_scatter(output, input))
+        if self.ring_reduce_scatter:  # a ring waits on its two neighbours only
+            ring = [(self.rank - 1) % self.world_size, (self.rank + 1) % self.world_size]
+            self._run("reduce_scatter", lambda: self._ring_reduce_scatter(output, input), peers=self._peers(ring))
         else:
             self._run("reduce_scatter", lambda: _reduce_scatter_flat(output, input, group=self.group))
 
@@ -406,7 +423,7 @@ class Communicator:
             handles += [dist.irecv(t, src=self.global_ranks[peer], group=self.group) for peer, t in receives]
             for handle in handles:
                 handle.wait()
-        self._run("exchange", run)
+        self._run("exchange", run, peers=self._peers([peer for peer, _ in sends + receives]))
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks in place (used for the small per-job statistics)."""
@@ -683,7 +700,8 @@ class Lane:
                 raise CommunicationError(
                     f"communication job {waited.label!r} on rank {self.rank}: collective {record.name} on process "
                     f"group {record.group!r}{culprit} has not completed after {now - record.issued_at:.0f} s "
-                    f"(communication_timeout_s = {self.timeout_s:g}); a peer rank is probably dead or stuck")
+                    f"(communication_timeout_s = {self.timeout_s:g}); {_peer_text(record.peers)} is probably dead, "
+                    f"stuck or unreachable")
 
     @property
     def closed(self) -> bool:
