@@ -1,4 +1,4 @@
-"""Checkpoints in every state a job can be saved in (issue 10; docs/design.md, section 5).
+"""Checkpoints in every state a job can be saved in (docs/design.md, section 5).
 
 - Step counts: a checkpoint saved while a commit has finished but is not installed yet (DPU, ACCO
   after B_t) loads into another type (ShardedAdamW, DeepSpeed ZeRO-1) with the AdamW step, the LR

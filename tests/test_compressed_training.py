@@ -1,4 +1,4 @@
-"""Training with compressed communication (issue 15; docs/design.md 3.7): the engine's jobs with
+"""Training with compressed communication (docs/design.md, 3.7): the engine's jobs with
 ``zero_quantized_gradients`` / ``zero_quantized_weights`` on real gloo processes (docs/design.md section 7, layer 3).
 
 One distributed job per world size computes everything (process start-up and engine construction
@@ -36,7 +36,7 @@ TYPES = ("ShardedAdamW", "DPU", "ACCO", "CO2")
 Q8 = {"zero_quantized_gradients": True, "zero_quantized_weights": True}
 # Convergence: every type on TinyNet for CONVERGE_UPDATES updates; validation loss on held-out batches.
 CONVERGE_UPDATES, VALIDATION_BATCHES = 60, 16
-# Tolerated validation loss relative to the uncompressed run of the same type (issue 15's target for
+# Tolerated validation loss relative to the uncompressed run of the same type (the target for
 # int8 is 0.5%; measured on this run: at most 0.02% with int8, 0.3% with int4 for ACCO).
 LOSS_TOLERANCE = {"q8": 0.005, "q4": 0.02}
 

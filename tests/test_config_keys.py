@@ -1,5 +1,5 @@
-"""DeepSpeed config keys that our optimizer types accept and ignore (issue 10, "Config keys that are
-accepted and ignored"; docs/design.md, section 6).
+"""DeepSpeed config keys that our optimizer types accept and ignore (docs/design.md, section 2, "Config",
+"Rejected by principle").
 
 A key that changes what a DeepSpeed user expects must be implemented or rejected with the usual
 ``ValueError`` naming the key and the fix, before torch.distributed is initialised. Unknown

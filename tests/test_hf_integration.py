@@ -1,4 +1,4 @@
-"""Registration in DeepSpeed, the Hugging Face Trainer and Accelerate (issue 11), on real processes.
+"""Registration in DeepSpeed, the Hugging Face Trainer and Accelerate (docs/hf.md), on real processes.
 
 ``test_registration_and_hf_trainer`` (one 2-rank job):
 - ``deepspeed.initialize`` with DeepSpeed's ZeRO-1 gives bitwise the same run before and after

@@ -1,4 +1,4 @@
-"""Every optimizer type in every precision against the independent simulation (issue 10; docs/design.md, 3.6,
+"""Every optimizer type in every precision against the independent simulation (docs/design.md, 3.6,
 "Reduced precision": masters, anchors, CO2's y_k and every optimizer state are fp32, the model holds
 the cast; with fp16 each round is unscaled by the loss scale its own backward used).
 
@@ -6,11 +6,11 @@ the cast; with fp16 each round is unscaled by the loss scale its own backward us
   ranks, against ``reference_sim`` run with fp32 master math and the model computing in the low
   precision (fp16 with a static power-of-two loss scale, which the simulation applies exactly).
 - fp16 dynamic loss scaling: with power-of-two scales and no overflow, a run whose scale doubles at
-  every update equals the static-scale run (issue 10, item 1).
+  every update equals the static-scale run (docs/design.md, 3.6: fp16 loss scaling).
 - CO2 in bf16 at a small learning rate, where bf16 rounding bites: against the simulation, and its
-  parameters move as far as in fp32 (issue 10, item 2).
+  parameters move as far as in fp32 (docs/design.md, 3.6: fp32 masters).
 - ACCO with dynamic accumulation and a slow rank: the committed updates equal a simulation that
-  replays each rank's micro-batch counts and averages by the global count (issue 10, item 4).
+  replays each rank's micro-batch counts and averages by the global count (docs/design.md, 3.4).
 
 Every engine run happens in one two-rank job (the module fixture), in the same processes, one
 engine after the other; each test checks its part of the results.
@@ -20,9 +20,9 @@ Tolerances. The fp32 committed state (masters, CO2 anchors) must agree with the 
 the last bits (fused kernels vs torch's AdamW, a multiply by 1/count vs a division; measured:
 <= 1.2e-7 in every cell). What the model holds must be the cast of the simulated fp32 value or a
 neighbour (one ulp of the model dtype), the only freedom last-bit fp32 differences leave. Every
-defect of issue 10 moves the fp32 state by far more (1e-3 to 1e-2: CO2 losing sub-ulp progress,
-a gradient unscaled by the wrong power of two), and a single one-ulp flip of a bf16/fp16 model
-value would too (it changes the next gradient), so a looser bound would buy nothing.
+precision defect this test guards against moves the fp32 state by far more (1e-3 to 1e-2: CO2
+losing sub-ulp progress, a gradient unscaled by the wrong power of two), and a single one-ulp flip of
+a bf16/fp16 model value would too (it changes the next gradient), so a looser bound would buy nothing.
 """
 import time
 import traceback
@@ -51,7 +51,8 @@ DYNAMIC_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 6, "los
 updates, always a power of two and (for this model) never overflowing."""
 FP32_STATE_TOLERANCE = 1e-6
 
-# CO2 in bf16 at a small learning rate (issue 10, item 2): the measurement of the issue, scaled down.
+# CO2 in bf16 at a small learning rate (docs/design.md, 3.6): progress below one bf16 ulp per step
+# must not be lost, measured at a small scale.
 SLOW_LR, SLOW_UPDATES, SLOW_LOCAL_STEPS = 1e-4, 64, 4
 
 # Dynamic accumulation: per micro-batch, rank 0 takes this long and rank 1 five times as long.

@@ -1,4 +1,5 @@
-"""Block-quantisation kernels of compressed communication (issue 15) and their torch reference.
+"""Block-quantisation kernels of compressed communication (docs/kernels.md, "Compressed communication")
+and their torch reference.
 
 Layer 1 of docs/design.md section 7: the reference against hand-computed codes and its error bounds, then
 the fused CPU kernels (and CUDA, when a GPU is visible) bitwise against the reference over awkward

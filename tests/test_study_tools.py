@@ -144,7 +144,7 @@ def test_position_loss_reads_saved_vectors_and_agrees_with_the_study_evaluation(
 
 
 def test_delay_stability_edges_match_the_closed_forms():
-    # docs/dpu_convergence.md: with momentum beta1, synchronous AdamW (frozen preconditioner) is
+    # docs/studies/dpu_convergence.md: with momentum beta1, synchronous AdamW (frozen preconditioner) is
     # stable up to lr*h = 2 (1 + beta1) / (1 - beta1), DPU's one-update-stale gradient only up to 1
     # whatever beta1 is, and ACCO's half-batch estimate in between, at 2 / (1 - beta1): its
     # eigenvalues are the synchronous ones and the estimate error's factor -(1 - beta1) lr h / 2.

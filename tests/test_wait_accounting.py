@@ -1,4 +1,4 @@
-"""Wait accounting and the skip log (issue 10, item 7).
+"""Wait accounting and the skip log (docs/design.md, "Counters" in section 2).
 
 - ``communication_wait_s`` counts the time the training thread is blocked by communication; CO2's
   inner steps (a reduce-scatter inside the group at every inner step) are part of it.

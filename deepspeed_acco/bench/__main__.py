@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--beta1", type=_beta1, default=0.9,
                    help="AdamW's beta1 for every method (beta2 stays 0.95); to study how momentum and a stale "
-                        "gradient interact (docs/dpu_convergence.md)")
+                        "gradient interact (docs/studies/dpu_convergence.md)")
     g.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
     g.add_argument("--data", default=None,
                    help="text file, folder of text files, or Hugging Face dataset name[:config] "

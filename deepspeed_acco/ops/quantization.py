@@ -1,5 +1,5 @@
-"""Block-quantised communication kernels (issue 15): quantise with error feedback, quantise a
-parameter delta, dequantise-and-sum, apply a dequantised delta.
+"""Block-quantised communication kernels (docs/kernels.md, "Compressed communication"): quantise
+with error feedback, quantise a parameter delta, dequantise-and-sum, apply a dequantised delta.
 
 The building blocks of :mod:`deepspeed_acco.runtime.compression`. Each public function validates
 its arguments and dispatches, like the update rules in :mod:`deepspeed_acco.ops`, to the fused

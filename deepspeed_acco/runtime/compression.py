@@ -1,4 +1,4 @@
-"""Compressed collectives of the communication jobs (issue 15; docs/design.md, 3.7).
+"""Compressed collectives of the communication jobs (docs/design.md, 3.7).
 
 Two collectives on the process group a :class:`~.comm.Communicator` holds, with the block
 quantisation of :mod:`deepspeed_acco.ops.quantization` (int8 or int4 codes, one fp32 scale per
