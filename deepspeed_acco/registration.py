@@ -53,7 +53,7 @@ def _selects_our_type(bound_arguments) -> bool:
     base64 string, a missing file, invalid JSON) is DeepSpeed's to accept or reject, so it counts
     as not ours.
     """
-    from .config import load_config, optimizer_type
+    from .runtime.config import load_config, optimizer_type
     arguments = bound_arguments.arguments
     config = arguments.get("config")
     if config is None:

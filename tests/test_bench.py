@@ -166,7 +166,7 @@ def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
     from deepspeed_acco.bench.__main__ import build_parser, check_args, worker_args
     from deepspeed_acco.bench.train import co2_options
     from deepspeed_acco.bench.train import parse_args as worker_parse
-    from deepspeed_acco.config import parse_config
+    from deepspeed_acco.runtime.config import parse_config
     args = build_parser().parse_args(["--outer-lr", "0.7", "--outer-momentum", "0.2", "--gap-penalty", "2",
                                       "--ranks-per-node", "2", "--eval-every", "3", "--precision", "bf16"])
     check_args(args, ["zero1", "co2"])

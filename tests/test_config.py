@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_acco
-from deepspeed_acco.config import parse_config, resolve_batch_sizes
+from deepspeed_acco.runtime.config import parse_config, resolve_batch_sizes
 from deepspeed_acco.runtime.optimizers.acco import ACCOParams
 from deepspeed_acco.runtime.optimizers.co2 import CO2Params
 

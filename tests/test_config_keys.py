@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_acco
-from deepspeed_acco.config import parse_config
+from deepspeed_acco.runtime.config import parse_config
 
 BASE = {
     "train_micro_batch_size_per_gpu": 2,

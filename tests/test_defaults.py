@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from deepspeed_acco.config import parse_config
+from deepspeed_acco.runtime.config import parse_config
 from deepspeed_acco.runtime.builder import defaults_note
 from deepspeed_acco.runtime.optimizers.warmup import lambda_shape, resolve_auto_warmup, schedule_shape
 from distributed_utils import run_distributed

@@ -2,7 +2,7 @@
 and sent at which boundary, and what an estimate leaves untouched. No processes, one rank."""
 import torch
 
-from deepspeed_acco.config import parse_config
+from deepspeed_acco.runtime.config import parse_config
 from deepspeed_acco.runtime.comm import ControlPlane, Lane
 from deepspeed_acco.runtime.jobs import JobKind
 from deepspeed_acco.runtime.loss_scale import LossScale

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from deepspeed_acco.ops import CONTROL_SKIP, CONTROL_VALUE
+from deepspeed_acco.runtime.checks import config_error
 from deepspeed_acco.runtime.jobs import JobKind, UpdateRule
-from deepspeed_acco.runtime.optimizers.params import PipelineParams, config_error
+from deepspeed_acco.runtime.optimizers.params import PipelineParams
 from deepspeed_acco.runtime.schedule import Schedule
 
 

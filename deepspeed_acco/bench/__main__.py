@@ -358,7 +358,7 @@ def check_args(args, methods: List[str]) -> None:
 def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
     """Our methods whose config deepspeed_acco refuses (e.g. a modifier the engine does not support
     yet), with the engine's message; checked before any job starts, with the engine's own parser."""
-    from deepspeed_acco.config import parse_config
+    from deepspeed_acco.runtime.config import parse_config
 
     from .methods import BETA2, ds_config
     from .train import co2_options

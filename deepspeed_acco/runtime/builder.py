@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import EngineConfig
 from .comm import Communicator, ControlPlane, Lane, new_communicator, new_control_plane, prepare_nccl_environment
+from .config import EngineConfig
 from .loss_scale import LossScale
 from .optimizers import lookup
 from .optimizers.params import AUTO

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from .. import ops
-from ..config import EngineConfig
 from .builder import build, local_rank
 from .comm import CommunicationError
+from .config import EngineConfig
 from .jobs import JobResult
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")

@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import load_config, optimizer_type, parse_config
 from .builder import device_for_backend
 from .comm import prepare_nccl_environment
+from .config import load_config, optimizer_type, parse_config
 from .engine import AccoEngine
 
 

@@ -45,7 +45,7 @@ class BuildContext:
     params: Any
     """The type's parsed params dataclass."""
     config: Any
-    """The engine's :class:`~deepspeed_acco.config.EngineConfig`."""
+    """The engine's :class:`~deepspeed_acco.runtime.config.EngineConfig`."""
     param_groups: List[Dict]
     rank: int
     world_size: int

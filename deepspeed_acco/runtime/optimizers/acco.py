@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import config_error
 from ..jobs import JobKind
 from ..schedule import CheckpointState, Schedule
-from .params import AdamWParams, CooldownParams, WarmupParams, config_error
+from .params import AdamWParams, CooldownParams, WarmupParams
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from ... import ops
+from ..checks import config_error
 from ..comm import Communicator, CompletedWork, DeviceReadback, PhaseClock
 from ..compression import (GroupCompression, compresses, compressing, group_compressions, load_group_compressions,
                            wire_bytes)
@@ -35,7 +36,7 @@ from ..flat import FlatParamGroup
 from ..jobs import JobKind, correctly_rounded_sqrt
 from ..optimizer import ShardedOptimizer
 from ..schedule import BuildContext, CheckpointState, Schedule, result_to_dict
-from .params import AUTO, AdamWParams, WarmupParams, config_error
+from .params import AUTO, AdamWParams, WarmupParams
 
 ADAPTIVE = "adaptive"
 # Added to the largest inner displacement so the adaptive penalty is defined for a still model.

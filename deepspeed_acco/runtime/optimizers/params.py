@@ -7,37 +7,15 @@ docstring per field naming the paper's symbol; :func:`parse_params` checks a JSO
 it, and the class's ``validate()`` checks ranges. Every mistake raises ``ValueError`` naming the
 key and the fix.
 """
-import math
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, FrozenSet, Optional, Tuple, Union
 
 from ...ops import quantization
+from ..checks import boolean, config_error, integer, number
 
 DEFAULT_COMMUNICATION_TIMEOUT_S = 300.0
 AUTO = "auto"
-
-
-def config_error(key: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"deepspeed_acco config: {key}: {problem}; {fix}")
-
-
-def number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise config_error(key, f"expected a finite number, got {value!r}", "set it to a number")
-    return float(value)
-
-
-def integer(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise config_error(key, f"expected an integer, got {value!r}", "set it to an integer")
-    return value
-
-
-def boolean(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise config_error(key, f"expected true or false, got {value!r}", "set it to a JSON boolean")
-    return value
 
 
 def _parse_value(key: str, annotation, value: Any, choices: Tuple[str, ...]):

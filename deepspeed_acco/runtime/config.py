@@ -17,9 +17,10 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from .runtime.compression import CompressionConfig, QuantizationFormat
-from .runtime.optimizers import lookup, type_names
-from .runtime.optimizers.params import boolean, config_error, integer, number, parse_params
+from .checks import boolean, config_error, integer, number
+from .compression import CompressionConfig, QuantizationFormat
+from .optimizers import lookup, type_names
+from .optimizers.params import parse_params
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
