@@ -309,21 +309,30 @@ def _markdown(meta: dict) -> str:
              f"communication_timeout_s {meta['timeout_s']:g}, exit grace {EXIT_GRACE_S:g} s. "
              f"Machine: {meta['machine']} (shared with other work: timings are indicative).", ""]
     if fault.startswith("flap"):
-        lines += ["| method | down (s) | exit codes | updates | losses bitwise equal to the undisturbed run | "
-                  "job s (undisturbed) | job s (flap) | left behind |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["| method | fault after update | down (s) | exit codes | updates | losses bitwise equal to the "
+                  "undisturbed run | rank 0's train clock, undisturbed -> flap (s) | left behind |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in meta["runs"]:
             cmp = r.get("losses") or {}
-            lines.append(f"| {r['label']} | {r['injection'].get('down_s')} | {r['returncodes']} | "
-                         f"{cmp.get('updates')} | {cmp.get('bitwise_equal')} | {r.get('reference_job_s', 0):.1f} | "
-                         f"{r['job_s']:.1f} | {r['leftovers_text']} |")
+            walls = r.get("train_wall_s") or [None, None]
+            clock = " -> ".join("n/a" if w is None else f"{w:.1f}" for w in walls)
+            lines.append(f"| {r['label']} | {r['injection'].get('injected_after_update')} | "
+                         f"{r['injection'].get('down_s')} | {r['returncodes']} | {cmp.get('updates')} | "
+                         f"{cmp.get('bitwise_equal')} | {clock} | {r['leftovers_text']} |")
     else:
-        lines += ["| method | fault after update | last rank's exit after the fault (s) | exit codes | "
-                  "within timeout + grace | errors | left behind |", "|---|---|---|---|---|---|---|"]
+        lines += ["| method | fault after update | error raised after the fault (s, per rank) | last rank's exit "
+                  "after the fault (s) | exit codes | within timeout + grace | left behind |",
+                  "|---|---|---|---|---|---|---|"]
         for r in meta["runs"]:
             inj = r["injection"]
-            errors = "; ".join(f"rank {k}: {v['error'][:300]}" for k, v in r["failures"].items()) or "none recorded"
-            lines.append(f"| {r['label']} | {inj.get('injected_after_update')} | {r['last_exit_s']} | "
-                         f"{r['returncodes']} | {r['within_limit']} | {errors} | {r['leftovers_text']} |")
+            raised = ", ".join(f"{k}: {v['after_fault_s']:.1f}" for k, v in r["failures"].items()
+                               if v.get("after_fault_s") is not None) or "none recorded"
+            lines.append(f"| {r['label']} | {inj.get('injected_after_update')} | {raised} | {r['last_exit_s']} | "
+                         f"{r['returncodes']} | {r['within_limit']} | {r['leftovers_text']} |")
+        lines += ["", "Errors (first line, per rank):", ""]
+        for r in meta["runs"]:
+            for k, v in r["failures"].items():
+                lines.append(f"- {r['label']}, rank {k}: `{v['error']}`")
     lines += ["", "The bench writes no checkpoint during these runs, so none can be left half-written.", ""]
     return "\n".join(lines)
 
@@ -369,10 +378,16 @@ def run_fault_bench(args, methods: List[str], out: str, command: str, machine: d
         job = json.load(open(os.path.join(run_dir, "job.json")))
         left = leftovers(run_dir)
         inj = injector.record()
-        entry.update(injection=inj, returncodes=job["returncodes"], job_s=job["job_s"], failures=failures(run_dir),
+        failed = failures(run_dir)
+        for v in failed.values():
+            v["after_fault_s"] = None if inj["fault_at"] is None else round(v["at"] - inj["fault_at"], 2)
+        entry.update(injection=inj, returncodes=job["returncodes"], job_s=job["job_s"], failures=failed,
                      leftovers=left, leftovers_text="nothing" if not any(left.values()) else json.dumps(left))
         if fault.kind == "flap":
             entry["losses"] = compare_losses(ref_dir, run_dir) if ok and entry["reference_ok"] else None
+            entry["train_wall_s"] = [json.load(open(os.path.join(d, "rank0.summary.json")))["wall_s"]
+                                     if os.path.exists(os.path.join(d, "rank0.summary.json")) else None
+                                     for d in (ref_dir, run_dir)]
             good = ok and bool(entry["losses"] and entry["losses"]["bitwise_equal"])
         else:
             exits = [v for v in inj["rank_exit_after_fault_s"].values() if v is not None]
