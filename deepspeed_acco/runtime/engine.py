@@ -117,7 +117,7 @@ class AccoEngine(DeepSpeedEngine):
         """Nesting depth of committed_parameters() contexts: the model holds the committed parameters."""
         self.recent_commits = collections.deque(maxlen=_RECENT_COMMITS)
         """Results of the latest installed commits (micro-batch counts, norms, skips, phase timings)."""
-        self._module_hooks = [] if self.schedule.dynamic_accumulation else _register_module_hooks(self, model)
+        self._module_hooks = [] if self.schedule.uneven_rounds else _register_module_hooks(self, model)
         _track(self)
         batch = config.batch
         _log_rank0(f"engine ready: type={config.optimizer_type} ranks={self.world_size} "
@@ -237,12 +237,9 @@ class AccoEngine(DeepSpeedEngine):
         the config sets, since the caller normalised the loss over the micro-batches it fed. An
         update cannot hold more than gradient_accumulation_steps micro-batches per rank.
         """
-        if self.schedule.dynamic_accumulation:
-            raise ValueError("optimizer.params.dynamic_accumulation: with dynamic accumulation the engine ends "
-                             "rounds when the running job is done, so it cannot follow the boundaries a caller "
-                             "sets (set_gradient_accumulation_boundary, as the HF Trainer and Accelerate do); set "
-                             "dynamic_accumulation to false, or drive the engine with engine.backward(loss) and "
-                             "engine.step() on every micro-batch")
+        error = self.schedule.caller_boundaries_error()
+        if error is not None:
+            raise ValueError(error)
         self._caller_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
@@ -478,10 +475,10 @@ class AccoEngine(DeepSpeedEngine):
         if self.lane.closed:
             return
         self._leave_evaluation_view()
-        if self._failure is None and (self.schedule.running is not None or self.schedule.dynamic_accumulation):
+        if self._failure is None and (self.schedule.running is not None or self.schedule.uneven_rounds):
             try:
-                # With dynamic accumulation a peer may have launched one more job than this rank
-                # at the same iteration; synchronize() brings both to the same job first.
+                # With uneven rounds (dynamic accumulation) a peer may have launched one more job
+                # than this rank at the same iteration; synchronize() brings both to the same job first.
                 self.schedule.synchronize()
             except Exception as error:  # already failing: report, but let shutdown proceed
                 self._failure = error

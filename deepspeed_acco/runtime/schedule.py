@@ -167,7 +167,6 @@ class Schedule:
         self.world_size = context.world_size
         self.rank = context.rank
         self.overlap = bool(getattr(self.params, "overlap", True))
-        self.dynamic_accumulation = bool(getattr(self.params, "dynamic_accumulation", False))
         self.gradient_clipping = config.gradient_clipping
         self.micro_batch_size = config.batch.micro_batch_size
         self.train_batch_size = config.batch.train_batch_size
@@ -251,23 +250,35 @@ class Schedule:
         self.end_round()
         return True
 
+    @property
+    def uneven_rounds(self) -> bool:
+        """Whether ranks may end a round after different numbers of micro-batches (ACCO's dynamic
+        accumulation, 3.4): a type whose ``round_ends`` follows timing instead of the count says so.
+
+        Then the samples of an update are counted from each commit's global micro-batch count
+        instead of per micro-batch, :meth:`synchronize` first brings every rank to the same job,
+        and the engine neither shows the committed parameters through module hooks nor follows
+        boundaries a caller sets (:meth:`caller_boundaries_error`).
+        """
+        return False
+
+    def caller_boundaries_error(self) -> Optional[str]:
+        """Why the engine cannot end updates where a caller says (``set_gradient_accumulation_boundary``),
+        naming the config key and the fix; None when it can."""
+        return None
+
     def count_micro_batch(self) -> None:
         """Count one micro-batch whose gradients were added to the round in progress."""
         self.progress.micro_steps += 1
-        if not self.dynamic_accumulation:
+        if not self.uneven_rounds:
             self.progress.global_samples += self.micro_batch_size * self.world_size
         self.round_micro_batches += 1
 
     def round_ends(self) -> bool:
-        if self.dynamic_accumulation and self.running is not None:
-            # Accumulate while you communicate: end the round as soon as the job is done.
-            return self.round_micro_batches >= 1 and self.running.is_done()
         return self.round_micro_batches >= self.nominal_round_micro_batches
 
     def next_step_ends_round(self) -> bool:
         """Whether the next ``micro_batch_done`` ends a round (DeepSpeed's accumulation boundary)."""
-        if self.dynamic_accumulation and self.running is not None:
-            return self.running.is_done()
         return self.round_micro_batches + 1 >= self.nominal_round_micro_batches
 
     def round_index_in_update(self) -> int:
@@ -302,11 +313,11 @@ class Schedule:
     def synchronize(self) -> None:
         """Bring every rank to the same job and drain it (collective).
 
-        With dynamic accumulation a fast rank may already have launched the next job while a slow
-        one is still accumulating; the slow one then ends its round now, so that every rank has
-        launched the same jobs and the drain cannot wait for a job a peer never starts.
+        With uneven rounds (dynamic accumulation) a fast rank may already have launched the next job
+        while a slow one is still accumulating; the slow one then ends its round now, so that every
+        rank has launched the same jobs and the drain cannot wait for a job a peer never starts.
         """
-        if self.dynamic_accumulation and self.world_size > 1:
+        if self.uneven_rounds and self.world_size > 1:
             target = self.control.max(self.jobs_launched)
             while self.jobs_launched < target:
                 self.end_round()
@@ -450,11 +461,15 @@ class Schedule:
     schedule_skipped_steps: ClassVar[bool] = False
     """Whether the LR schedule also advances on a skipped update (see :func:`account_commit`)."""
 
+    def _commit_samples(self, result: JobResult) -> int:
+        """Samples a commit adds to the counters when rounds are uneven (its global micro-batch
+        count); 0 otherwise, where they were counted per micro-batch."""
+        return result.global_micro_batches * self.micro_batch_size if self.uneven_rounds else 0
+
     def _account_commit(self, result: JobResult) -> None:
-        samples = result.global_micro_batches * self.micro_batch_size if self.dynamic_accumulation else 0
-        account_commit(result, self.progress, self.loss_scale, self.lr_scheduler, samples_of_commit=samples,
-                       train_batch_size=self.train_batch_size, follow_samples=self.dynamic_accumulation,
-                       schedule_skipped=self.schedule_skipped_steps)
+        account_commit(result, self.progress, self.loss_scale, self.lr_scheduler,
+                       samples_of_commit=self._commit_samples(result), train_batch_size=self.train_batch_size,
+                       follow_samples=self.uneven_rounds, schedule_skipped=self.schedule_skipped_steps)
         if self.on_commit is not None:
             self.on_commit(result)
 
@@ -471,9 +486,8 @@ class Schedule:
         if result is None:
             return progress, loss_scale, scheduler_state, lrs
         shadow = _detached_scheduler(self.lr_scheduler, self.optimizer) if self.lr_scheduler is not None else None
-        samples = result.global_micro_batches * self.micro_batch_size if self.dynamic_accumulation else 0
-        account_commit(result, progress, loss_scale, shadow, samples_of_commit=samples,
-                       train_batch_size=self.train_batch_size, follow_samples=self.dynamic_accumulation,
+        account_commit(result, progress, loss_scale, shadow, samples_of_commit=self._commit_samples(result),
+                       train_batch_size=self.train_batch_size, follow_samples=self.uneven_rounds,
                        schedule_skipped=self.schedule_skipped_steps)
         if shadow is not None:
             scheduler_state = shadow.state_dict()
@@ -575,10 +589,11 @@ class Schedule:
         if not load_group_compressions(self.compression, state.local.get("compression")) and self.rank == 0:
             logger.warning("load_checkpoint: the checkpoint holds error-feedback residuals of compressed gradients, "
                            "which this engine does not compress; they are dropped")
-        self._load_type_state(state)
+        self.load_type_state(state)
 
-    def _load_type_state(self, state: CheckpointState) -> None:
-        """The type's own in-flight state beyond the base's (ACCO's kept first half)."""
+    def load_type_state(self, state: CheckpointState) -> None:
+        """Restore the type's own in-flight state beyond the base's, which its ``checkpoint_state``
+        added (ACCO's kept first half); called last by ``load_checkpoint_state``."""
 
 
 class _SchedulerView:

@@ -22,6 +22,7 @@ at once, and every later update is ShardedAdamW's (one round of the full batch).
 """
 import enum
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -63,8 +64,35 @@ class ACCO(Schedule):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.dynamic_accumulation = bool(self.params.dynamic_accumulation)
+        """Rounds end when the running job is done (3.4), not after gradient_accumulation_steps / 2."""
         self.first_half_sum = [torch.zeros_like(shard.grad) for shard in self.shards]
         """Per group, the reduced and unscaled gradient sum of A_t, kept for the commit of update t."""
+
+    # ---- dynamic accumulation (docs/design.md, 3.4) ----------------------------------------------
+    @property
+    def uneven_rounds(self) -> bool:
+        return self.dynamic_accumulation
+
+    def round_ends(self) -> bool:
+        if self.dynamic_accumulation and self.running is not None:
+            # Accumulate while you communicate: end the round as soon as the job is done.
+            return self.round_micro_batches >= 1 and self.running.is_done()
+        return super().round_ends()
+
+    def next_step_ends_round(self) -> bool:
+        if self.dynamic_accumulation and self.running is not None:
+            return self.running.is_done()
+        return super().next_step_ends_round()
+
+    def caller_boundaries_error(self) -> Optional[str]:
+        if not self.dynamic_accumulation:
+            return None
+        return ("optimizer.params.dynamic_accumulation: with dynamic accumulation the engine ends "
+                "rounds when the running job is done, so it cannot follow the boundaries a caller "
+                "sets (set_gradient_accumulation_boundary, as the HF Trainer and Accelerate do); set "
+                "dynamic_accumulation to false, or drive the engine with engine.backward(loss) and "
+                "engine.step() on every micro-batch")
 
     def boundary(self) -> None:
         if self.phase is Phase.FIRST_HALF:
@@ -92,7 +120,7 @@ class ACCO(Schedule):
             state.sharded["first_half_sum"] = [values.clone() for values in self.first_half_sum]
         return state
 
-    def _load_type_state(self, state: CheckpointState) -> None:
+    def load_type_state(self, state: CheckpointState) -> None:
         if self.phase is Phase.SECOND_HALF:
             for target, values in zip(self.first_half_sum, state.sharded["first_half_sum"]):
                 target.copy_(values)
