@@ -94,9 +94,10 @@ def test_method_modifiers_merge_into_the_config():
     # Bytes per value of (gradient reduce-scatter, parameter all-gather): DeepSpeed communicates in the
     # model's dtype by default, our engine reduces gradients in fp32 unless told otherwise.
     assert parse_variant("zero1").comm_bytes("bf16") == (2, 2) and parse_variant("zero1").comm_bytes("fp32") == (4, 4)
-    assert parse_variant("acco").comm_bytes("bf16") == (4, 2) and v.comm_bytes("bf16") == (2, 2)
+    assert parse_variant("acco").comm_bytes("bf16") == (2, 2) and v.comm_bytes("bf16") == (2, 2)
+    assert parse_variant("co2").comm_bytes("bf16") == (4, 2) and parse_variant("co2+bf16comm").comm_bytes("bf16") == (2, 2)
     assert parse_variant("zero1+fp32comm").comm_bytes("bf16") == (4, 2)
-    assert report.comm_label("acco", "bf16") == "fp32/bf16" and report.comm_label("zero0", "bf16") == "bf16 all-reduce"
+    assert report.comm_label("acco", "bf16") == "bf16/bf16" and report.comm_label("co2", "bf16") == "fp32/bf16" and report.comm_label("zero0", "bf16") == "bf16 all-reduce"
     for bad, words in (("acco+fast", "unknown modifier 'fast'"), ("adam", "unknown method 'adam'"),
                        ("acco+bf16comm+bf16comm", "given twice"), ("zero1+q8", "only with ZeRO stage 3")):
         with pytest.raises(ValueError, match=words):
@@ -259,15 +260,16 @@ def test_bounds_and_comm_round():
     # 2 nodes x 2 ranks: a ring over 4 ranks leaves each node once: 3/4 x 8 MB = 48 Mbit.
     assert math.isclose(report.comm_round_seconds(1_000_000, 4, 1e9, nodes=2), 0.048)
     assert math.isclose(report.comm_round_seconds(1_000_000, 2, 1e9, 4, param_bytes=2, nodes=2), 0.024)
-    assert math.isclose(report.method_comm_seconds("acco", 1_000_000, 2, 1e9, "bf16", nodes=2), 0.024)
-    assert math.isclose(report.method_comm_seconds("acco+bf16comm", 1_000_000, 2, 1e9, "bf16", nodes=2), 0.016)
+    assert math.isclose(report.method_comm_seconds("acco", 1_000_000, 2, 1e9, "bf16", nodes=2), 0.016)
+    assert math.isclose(report.method_comm_seconds("acco+fp32comm", 1_000_000, 2, 1e9, "bf16", nodes=2), 0.024)
     assert math.isclose(report.method_comm_seconds("zero0", 1_000_000, 2, 1e9, "fp32", nodes=2), 0.032)
     probe = dict(all_reduce_s=0.3, all_gather_s=0.1, all_reduce_model_dtype_s=0.15, all_gather_model_dtype_s=0.05,
                  engine_round_s=0.2, engine_round_model_dtype_s=0.15, engine_round_bf16comm_s=0.1)
     assert report.probe_round_seconds(probe, "zero1", "bf16") == 0.2
     assert report.probe_round_seconds(probe, "zero1", "fp32") == 0.4
     assert report.probe_round_seconds(probe, "zero0", "bf16") == 0.15
-    assert report.probe_round_seconds(probe, "acco", "bf16") == 0.15
+    assert report.probe_round_seconds(probe, "acco", "bf16") == 0.1
+    assert report.probe_round_seconds(probe, "acco+fp32comm", "bf16") == 0.15
     assert report.probe_round_seconds(probe, "dpu+bf16comm", "bf16") == 0.1
     assert report.probe_round_seconds(probe, "acco+q8", "bf16") is None
     assert report.bound_seconds("acco", 0.1, t_comm, 12) == max(0.1, 2 * t_comm)

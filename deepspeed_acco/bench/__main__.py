@@ -486,6 +486,8 @@ def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, m
               flush=True)
         args.bandwidth = "none"
         return None
+    rate = float(f"{rate:.3g}")  # three digits: what a report can name and a user can retype
+    info["bps"] = rate
     args.bandwidth = f"{rate:.6g}"
     print(f"--bandwidth auto: {netns.format_bandwidth(rate)} per direction, where DeepSpeed ZeRO-1 should spend "
           f"{share:.0%} of its update communicating (compute-only {1000 * t_compute:.0f} ms/update; its collectives "

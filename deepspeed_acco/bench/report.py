@@ -424,7 +424,7 @@ TABLE_NOTES = (
     "`~x*` = derived as wall - compute-only wall, for DeepSpeed's engine, which has no such counter. train loss: "
     "mean of the last 10% of updates over ranks; val loss: held-out files, after the last update (nats/byte, "
     "ppl = exp); val vs ZeRO-1: relative gap. comm: what one round moves per value, gradients/parameters (DeepSpeed "
-    "communicates gradients in the model's dtype by default, deepspeed_acco in fp32 unless +bf16comm).")
+    "communicates gradients in the model's dtype by default, and so does deepspeed_acco; CO2's round averages fp32 parameters).")
 
 
 def write_steps_csv(path: str, results: Sequence[RunResult]) -> None:
