@@ -47,6 +47,23 @@ def test_parse_fault():
             faults.parse_fault(bad)
 
 
+def test_fault_runs_refuse_what_they_cannot_do():
+    from deepspeed_acco.bench.__main__ import build_parser
+
+    def check(*argv, methods=("acco",)):
+        args = build_parser().parse_args(["--updates", "5", *argv])
+        with pytest.raises(SystemExit) as raised:
+            faults.check_fault_args(args, list(methods))
+        return str(raised.value)
+
+    assert "--methods acco,dpu" in check("--fault", "link-down@2", methods=("zero1", "acco"))
+    assert "--nodes 2" in check("--fault", "node-kill@2", "--nodes", "1")
+    assert "before the last update" in check("--fault", "link-down@5")
+    assert "shorter than --communication-timeout-s" in check("--fault", "flap:30@2", "--communication-timeout-s", "20")
+    assert "--slow-rank" in check("--fault", "flap:3@2", "--slow-rank", "1:2")
+    assert "expected link-down@U" in check("--fault", "unplug@2")
+
+
 @pytest.mark.slow
 @needs_netns
 def test_flap_shorter_than_the_timeout_changes_nothing_but_the_time(tmp_path):

@@ -279,9 +279,6 @@ def check_fault_args(args, methods: List[str]) -> Fault:
         fault = parse_fault(args.fault)
     except ValueError as exc:
         raise SystemExit(str(exc))
-    ok, why = netns.supported()
-    if not ok:
-        raise SystemExit(f"--fault needs emulated nodes (network namespaces): {why}")
     if args.nodes < 2:
         raise SystemExit(f"--fault hits node {FAULT_NODE}: use --nodes 2 or more (got {args.nodes})")
     theirs = [m for m in methods if not parse_variant(m).method.ours]
@@ -298,6 +295,9 @@ def check_fault_args(args, methods: List[str]) -> Fault:
             and fault.seconds >= args.communication_timeout_s:
         raise SystemExit(f"--fault {args.fault}: a flap must be shorter than --communication-timeout-s "
                          f"({args.communication_timeout_s:g}), or it is a link loss")
+    ok, why = netns.supported()
+    if not ok:
+        raise SystemExit(f"--fault needs emulated nodes (network namespaces): {why}")
     return fault
 
 
