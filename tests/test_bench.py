@@ -91,8 +91,8 @@ def test_method_modifiers_merge_into_the_config():
     assert resolve_methods("zero1, ACCO+BF16COMM,acco+bf16comm,co2") == ["zero1", "acco+bf16comm", "co2"]
     v = parse_variant("acco+bf16comm")
     assert v.label == "ACCO + bf16 comm" and v.method.name == "acco"
-    # Bytes per value of (gradient reduce-scatter, parameter all-gather): DeepSpeed communicates in the
-    # model's dtype by default, our engine reduces gradients in fp32 unless told otherwise.
+    # Bytes per value of (gradient reduce-scatter, parameter all-gather): DeepSpeed and our engine reduce
+    # gradients in the model's dtype by default; CO2's round averages parameters in fp32.
     assert parse_variant("zero1").comm_bytes("bf16") == (2, 2) and parse_variant("zero1").comm_bytes("fp32") == (4, 4)
     assert parse_variant("acco").comm_bytes("bf16") == (2, 2) and v.comm_bytes("bf16") == (2, 2)
     assert parse_variant("co2").comm_bytes("bf16") == (4, 2) and parse_variant("co2+bf16comm").comm_bytes("bf16") == (2, 2)
@@ -581,6 +581,8 @@ def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_boun
     from deepspeed_acco.runtime.optimizers.co2 import CO2Params
     default_merge = CO2Params.__dataclass_fields__["anchor_merge_steps"].default
     assert co2_overlap_steps("co2", 12) == (default_merge or 12)
+    # An adaptive gap penalty without an explicit anchor_merge_steps selects the paper's rule, as in the engine.
+    assert co2_overlap_steps("co2", 12, "adaptive") == 12 and co2_overlap_steps("co2", 12, 2.0) == 1
     assert ds_config("co2+paper", **common)["optimizer"]["params"]["anchor_merge_steps"] == 0
     # Unset, --local-steps and --warmup-sync-updates leave the engine's defaults alone; 'auto' passes through.
     for method in ("dpu", "acco", "co2"):

@@ -120,19 +120,20 @@ class Variant:
         return grad, param
 
 
-def co2_overlap_steps(method: str, local_steps: Optional[int] = None) -> int:
+def co2_overlap_steps(method: str, local_steps: Optional[int] = None, gap_penalty=None) -> int:
     """Inner steps CO2's outer averaging must fit in (the bound): ``anchor_merge_steps`` H in eager
-    mode, ``local_steps`` under the restart rule (H 0 or null), with the engine's defaults for
-    whatever neither ``method``'s modifiers nor ``local_steps`` (--local-steps) set."""
-    import dataclasses
-
+    mode, ``local_steps`` under the restart rule (H 0 or null), as the engine resolves them from
+    ``method``'s modifiers, ``local_steps`` (--local-steps) and ``gap_penalty`` (--gap-penalty:
+    "adaptive" without an explicit H selects the restart rule), with its defaults for the rest."""
     from deepspeed_acco.runtime.optimizers.co2 import CO2Params
-    defaults = {f.name: f.default for f in dataclasses.fields(CO2Params) if f.default is not dataclasses.MISSING}
-    tau = int(local_steps) if local_steps is not None else int(defaults["local_steps"])
-    merge = defaults.get("anchor_merge_steps")
+    from deepspeed_acco.runtime.optimizers.params import parse_params
+    given = {"local_steps": local_steps, "gap_penalty": gap_penalty}
+    given = {key: value for key, value in given.items() if value is not None}
     for m in parse_variant(method).modifiers:
-        merge = m.config.get("optimizer", {}).get("params", {}).get("anchor_merge_steps", merge)
-    return tau if not merge else min(int(merge), tau)
+        given.update(m.config.get("optimizer", {}).get("params", {}))
+    params = parse_params(CO2Params, given, "CO2")
+    merge = params.anchor_merge_steps
+    return params.local_steps if not merge else min(int(merge), params.local_steps)
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -506,10 +506,12 @@ def probe_round_seconds(probe: dict, method: str, precision: str) -> Optional[fl
     return None if all_reduce is None or all_gather is None else all_reduce + all_gather
 
 
-def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Optional[int] = None) -> Optional[float]:
+def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Optional[int] = None,
+                  gap_penalty=None) -> Optional[float]:
     """Lower bound on the per-update time: overlapped methods max(T_compute, k T_comm) (ACCO k = 2,
     DPU 1, CO2 1/H: the inner steps its averaging must fit in, :func:`methods.co2_overlap_steps`);
-    the others T_compute + T_comm. ``local_steps``: --local-steps (None: the engine's default)."""
+    the others T_compute + T_comm. ``local_steps``, ``gap_penalty``: --local-steps, --gap-penalty
+    (None: the engine's default)."""
     variant = None if method == "compute" else parse_variant(method)
     spec = METHODS["compute"] if variant is None else variant.method
     if spec.optimizer is None:
@@ -517,7 +519,7 @@ def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Opt
     if not spec.overlapped:
         return t_compute + t_comm
     if spec.name == "co2":
-        k = 1.0 / max(co2_overlap_steps(method, local_steps), 1)
+        k = 1.0 / max(co2_overlap_steps(method, local_steps, gap_penalty), 1)
     else:
         k = spec.comm_jobs
     return max(t_compute, k * t_comm)

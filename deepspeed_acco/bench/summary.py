@@ -158,7 +158,7 @@ def finish(args, out, results, failed, meta, rates) -> None:
                 if r["method"] in ("compute", BASELINE):
                     continue
                 t_comm = report.method_comm_seconds(r["method"], n_params, world, measured, args.precision, nodes)
-                b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps)
+                b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty)
                 sweep_points.append(dict(method=r["method"], link_bps=measured, speedup=r["speedup_vs_zero1"],
                                          ttt_speedup=r["ttt_speedup_vs_zero1"],
                                          bound_speedup=(base["ms_per_update"] / 1000.0) / b if b else None))
@@ -194,7 +194,7 @@ def finish(args, out, results, failed, meta, rates) -> None:
             report.plot_speedup_vs_bandwidth(
                 p3, sweep_points, f"GPT-Neo {n_params / 1e6:.1f}M, {world} ranks: measured speedup (solid)\n"
                                   f"bound T_ZeRO-1 / max(T_compute, k T_comm) (dashed; k: ACCO 2, DPU 1, "
-                                  f"CO2 1/{co2_overlap_steps('co2', args.local_steps)})",
+                                  f"CO2 1/{co2_overlap_steps('co2', args.local_steps, args.gap_penalty)})",
                 xlabel=("measured link rate per node and direction (Mbit/s)" if nodes >= 2 else
                         "measured link rate (Mbit/s, shared by both directions)"))
             plots.append(p3)
@@ -279,7 +279,7 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[d
     lines = [f"Per update: T_compute = {1000 * t_comp:.0f} ms (compute-only run); T_comm = {1000 * t_fp32:.0f} ms for "
              f"one reduce-scatter + all-gather of {n_params / 1e6:.2f}M fp32 values over {link}, ideal (each method's "
              f"own below, in the bytes it moves). Bounds: DPU max(T_compute, T_comm), ACCO max(T_compute, 2 T_comm), "
-             f"CO2 max(T_compute, T_comm / {co2_overlap_steps('co2', args.local_steps)}), others T_compute + T_comm."]
+             f"CO2 max(T_compute, T_comm / {co2_overlap_steps('co2', args.local_steps, args.gap_penalty)}), others T_compute + T_comm."]
     if probe:
         t_real = probe["round_s"]
         gloo_note = probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"]
@@ -297,12 +297,12 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[d
         if r["method"] == "compute":
             continue
         t_comm = report.method_comm_seconds(r["method"], n_params, world, measured_bps, args.precision, nodes)
-        b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps)
+        b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty)
         line = (f"- {r['label']} ({r['comm']}): {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
                 f"({r['ms_per_update'] / (1000 * b):.2f}x the bound; T_comm {1000 * t_comm:.0f} ms)")
         real = report.probe_round_seconds(probe, r["method"], args.precision) if probe else None
         if real is not None:
-            br = report.bound_seconds(r["method"], t_comp, real, args.local_steps)
+            br = report.bound_seconds(r["method"], t_comp, real, args.local_steps, args.gap_penalty)
             line += f"; {1000 * br:.0f} ms with the measured round ({r['ms_per_update'] / (1000 * br):.2f}x)"
         lines.append(line)
     return lines

@@ -374,11 +374,12 @@ def run(args) -> dict:
             ts = time.perf_counter()
             state = _snapshot(engine)
         except LookupError:  # not at a commit (cannot happen in this loop): wait on the clock, then copy
+            watch.overlap_s()  # ends that watch; the wait below is training time, on the clock
             landed_waits += 1
-            engine.synchronize()
-            watch = _JobWatch(engine)
-            ts = time.perf_counter()
-            state = _snapshot(engine)
+            with engine.committed_parameters():  # drains and installs the newest commit
+                watch = _JobWatch(engine)
+                ts = time.perf_counter()
+                state = {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
         te = time.perf_counter()
         val[update] = validator(state)
         overlap = watch.overlap_s()

@@ -251,7 +251,7 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
 
     ``padded_numels``: each flat group's padded length (one int: one group); ``world_size`` W;
     dtypes as torch dtypes or "fp32"/"bf16"/"fp16" (the communication dtype defaults to the
-    model's). ``options``: ``num_parameters`` (the real count, for bytes per parameter; default the
+    engine's rule: the model's, fp32 with compressed gradients). ``options``: ``num_parameters`` (the real count, for bytes per parameter; default the
     padded total), ``group_size``, ``anchor_merge_steps`` and ``outer_communication_dtype`` (CO2; the
     last fp32 unless the config gives ``communication_data_type``), ``compression``
     (``{"gradients", "weights", "bits", "block_size"}``), ``backend`` ("gloo" adds the ring
@@ -263,7 +263,9 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
         raise ValueError(f"optimizer type {optimizer_type!r} has no memory formula; use ShardedAdamW, DPU, ACCO or CO2")
     numels = [int(padded_numels)] if isinstance(padded_numels, int) else [int(n) for n in padded_numels]
     model_bytes = DTYPE_BYTES[_dtype(model_dtype)]
-    comm_bytes = DTYPE_BYTES[_dtype(communication_dtype if communication_dtype is not None else model_dtype)]
+    if communication_dtype is None:  # the engine's rule: the model's dtype, fp32 under compressed gradients
+        communication_dtype = "fp32" if (options.get("compression") or {}).get("gradients") else model_dtype
+    comm_bytes = DTYPE_BYTES[_dtype(communication_dtype)]
     # CO2's outer averaging moves parameters, not gradients: fp32 unless communication_data_type is given.
     outer_bytes = DTYPE_BYTES[_dtype(options.get("outer_communication_dtype", "fp32"))]
     compression = dict(options.get("compression") or {})

@@ -445,7 +445,11 @@ class Schedule:
 
     def _communication_predivisor(self) -> float:
         """fp16 reductions carry means, as DeepSpeed's do (docs/design.md, 3.6): the round's gradient sums are
-        divided by its nominal micro-batches times the communicator's ranks when cast; other dtypes: 1."""
+        divided by its nominal micro-batches times the communicator's ranks when cast; other dtypes: 1.
+        The divisor must be the same on every rank (the job multiplies the reduced sum back by it), so
+        under dynamic accumulation, where ranks contribute different counts, it stays the nominal one: a
+        round k times its nominal length carries k times a mean, which the loss scale's overflow rule
+        bounds as it does any large gradient."""
         if self.flats[0].job_grad.dtype != torch.float16:
             return 1.0
         return float(self.nominal_round_micro_batches * self.communicator.world_size)

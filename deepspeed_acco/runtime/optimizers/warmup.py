@@ -23,7 +23,9 @@ What the engine reads:
   floor it keeps, or turns up again as a cosine does past its horizon). Both are found by
   doubling and bisection (a few hundred evaluations). A lambda that does not fall after its
   warm-up (a constant schedule) gives W only. The search assumes the shape of every warm-up and
-  decay schedule: rising (or flat) to a peak, then falling.
+  decay schedule: rising (or flat) to a peak, then falling. A warm-up-stable-decay schedule reads as
+  "stops falling" where its stable stretch begins (rule 2), a cosine with hard restarts gives its
+  first cycle as T: an integer is the way to set N for those.
 Nothing is read from the scheduler's state, so a resumed engine resolves the same N.
 """
 from dataclasses import dataclass
