@@ -421,7 +421,7 @@ def test_bench_smoke_unshaped(tmp_path):
     assert meta["n_params"] == 120192 and meta["table"] and meta["args"]["precision"] == "bf16"
     assert "Time to target" not in out  # --target-loss none: the equal-samples table only
     assert json.load(open(tmp_path / "runs" / "acco" / "ds_config.json"))["bf16"] == {"enabled": True}
-    assert summary["acco"]["comm"] == "fp32/bf16" and summary["zero1"]["comm"] == "bf16/bf16"
+    assert summary["acco"]["comm"] == "bf16/bf16" and summary["zero1"]["comm"] == "bf16/bf16"  # both: the model's dtype
     # --replot rebuilds the same table from the logs without running anything.
     before = (tmp_path / "results.md").read_text()
     (tmp_path / "loss_vs_samples.png").unlink()
