@@ -301,3 +301,22 @@ def test_consolidation_writes_plain_fp32_weights_also_readable_by_deepspeed_tool
         for name, value in committed[kind].items():
             if not name.startswith("frozen."):
                 assert torch.equal(deepspeed_view[name].float(), value), (kind, name)
+
+
+def test_a_co2_checkpoint_from_before_its_entry_said_so_is_refused_by_its_registered_class():
+    """Checkpoints written before ``continues_only_as_itself`` was recorded (the same FORMAT_VERSION):
+    the saved type's registered class says CO2's state is its own, so the refusal comes from the check
+    ``load_checkpoint`` runs before it reads or overwrites anything, in the words a new checkpoint gets
+    (tests/test_new_type.py)."""
+    from deepspeed_acco.runtime.optimizers import ACCO, CO2, DPU, ShardedAdamW
+    old_co2 = {"format": 2, "optimizer_type": "CO2", "mid_round": False, "group_size": 1}
+    for target in (ShardedAdamW, DPU, ACCO):
+        schedule = target.__new__(target)  # the check reads only the class
+        with pytest.raises(ValueError, match=rf"a CO2 checkpoint cannot continue as {target.type_name} \(CO2 keeps a "
+                                             rf"replica and outer state per rank\); pass load_optimizer_states=False"):
+            schedule.check_checkpoint_compatible(old_co2, 2)
+    # The types whose committed state any type continues from still load into each other, old or new.
+    for saved in ({"format": 2, "optimizer_type": "ACCO", "mid_round": False},
+                  {"format": 2, "optimizer_type": "ACCO", "mid_round": False, "warmup_sync_updates": 0}, {}):
+        DPU.__new__(DPU).check_checkpoint_compatible(saved, 2)
+    assert CO2.continues_only_as_itself_reason and ACCO.continues_only_as_itself_reason is None

@@ -138,6 +138,10 @@ class Schedule:
     """Rounds per committed update: the round holds gradient_accumulation_steps / this micro-batches."""
     synchronous: ClassVar[bool] = False
     """Jobs gather straight into the model (no gather buffer); only for schedules that wait at once."""
+    continues_only_as_itself_reason: ClassVar[Optional[str]] = None
+    """Why no other type can continue from this type's checkpointed state (None: any type can continue
+    from its committed state). Written into each checkpoint; for a checkpoint written before that,
+    the loader reads it from the saved type's class."""
 
     @classmethod
     def validate_config(cls, params, batch, world_size: int) -> None:
@@ -509,22 +513,59 @@ class Schedule:
 
     def checkpoint_metadata(self) -> Dict[str, Any]:
         """Plain data a loader checks before it reads any optimizer state (the module file's
-        "deepspeed_acco" entry, beside ``optimizer_type``). The key ``"continues_only_as_itself"``
-        gives the reason why no other type can continue from this state. CO2 overrides."""
-        return {}
+        "deepspeed_acco" entry, beside ``optimizer_type``): the warm-up length this run used
+        (``"warmup_sync_updates"``, read by :meth:`continue_warmup`) and, for a type that declares
+        one, ``"continues_only_as_itself"``, the reason why no other type can continue from this
+        state. CO2 adds its group_size."""
+        metadata: Dict[str, Any] = {"warmup_sync_updates": self.warmup_sync_updates}
+        if self.continues_only_as_itself_reason:
+            metadata["continues_only_as_itself"] = self.continues_only_as_itself_reason
+        return metadata
 
     def check_checkpoint_compatible(self, saved: Dict[str, Any], saved_world_size: int) -> None:
         """Raise ``ValueError`` naming the fix when a checkpoint's optimizer state cannot continue here.
 
         ``saved``: the checkpoint's entry written from :meth:`checkpoint_metadata`, with its
         ``optimizer_type`` (empty for DeepSpeed's own checkpoints). Every other type's committed
-        state continues here unless its schedule declared the state its own.
+        state continues here unless its schedule declared the state its own: in the entry, or for a
+        checkpoint written before the entry said so, by the saved type's registered class.
         """
+        from .optimizers import lookup  # the registry imports this module
         saved_type = saved.get("optimizer_type")
         reason = saved.get("continues_only_as_itself")
+        if "continues_only_as_itself" not in saved:
+            reason = getattr(lookup(saved_type), "continues_only_as_itself_reason", None)
         if reason and saved_type != self.type_name:
             raise ValueError(f"load_checkpoint: a {saved_type} checkpoint cannot continue as {self.type_name} "
                              f"({reason}); pass load_optimizer_states=False to start from its weights")
+
+    def continue_warmup(self, saved: Dict[str, Any]) -> None:
+        """After a checkpoint of this type was loaded (``saved``: its :meth:`checkpoint_metadata` entry):
+        keep the synchronous warm-up from restarting in the middle of the type's rule.
+
+        This run resolved its own N (``warmup_sync_updates``; "auto" follows the LR scheduler, which
+        may differ from the saved run's). When the checkpoint is past the saved run's warm-up but
+        before this N, the warm-up is over: N becomes the loaded update count, logged once. Otherwise
+        (the same N, or a checkpoint still inside its warm-up) N stays as resolved.
+        """
+        from .optimizers.warmup import warmup_after_resume  # the registry package imports this module
+        resolved, steps = self.warmup_sync_updates, self.progress.global_steps
+        saved_warmup = saved.get("warmup_sync_updates")
+        under_way = self.running is not None or self.phase is not next(iter(self.Phase))
+        used = warmup_after_resume(resolved, None if saved_warmup is None else int(saved_warmup), steps, under_way)
+        if used == resolved:
+            return
+        self.warmup_sync_updates = used
+        if hasattr(self.params, "warmup_sync_updates"):
+            self.params.warmup_sync_updates = used
+        if self.rank == 0:
+            written = (f"written with warmup_sync_updates {saved_warmup}" if saved_warmup is not None else
+                       f"written before checkpoints recorded warmup_sync_updates, with {self.type_name}'s rule "
+                       f"under way")
+            logger.warning("load_checkpoint: the checkpoint is past its synchronous warm-up (%d updates committed, "
+                           "%s); warmup_sync_updates resolved to %d for this run, but a warm-up cannot restart in "
+                           "the middle of %s's rule, so %d is used (the warm-up is over)",
+                           steps, written, resolved, self.type_name, used)
 
     def checkpoint_state(self) -> CheckpointState:
         """This rank's state after ``synchronize()`` (ShardedAdamW, DPU and ACCO; CO2 overrides)."""

@@ -340,6 +340,7 @@ class CO2(Schedule):
     Params = CO2Params
     Phase = Phase
     synchronous = True
+    continues_only_as_itself_reason = _OWN_STATE
     # An inner step's non-finite check covers only its own group (no gradient crosses groups), so
     # one replica may skip alone; its LR schedule still advances with the others'.
     schedule_skipped_steps = True
@@ -568,7 +569,7 @@ class CO2(Schedule):
         return False  # the inner state is per group; DeepSpeed's partitions hold the anchors
 
     def checkpoint_metadata(self) -> Dict:
-        return {"group_size": self.group_size, "continues_only_as_itself": _OWN_STATE}
+        return dict(super().checkpoint_metadata(), group_size=self.group_size)
 
     def check_checkpoint_compatible(self, saved: Dict, saved_world_size: int) -> None:
         """Only a CO2 checkpoint of the same world size and group_size continues here."""
