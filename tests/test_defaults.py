@@ -15,7 +15,8 @@ import torch
 
 from deepspeed_acco.runtime.config import parse_config
 from deepspeed_acco.runtime.builder import defaults_note
-from deepspeed_acco.runtime.optimizers.warmup import lambda_shape, resolve_auto_warmup, schedule_shape
+from deepspeed_acco.runtime.optimizers.warmup import (lambda_shape, resolve_auto_warmup, schedule_shape,
+                                                     warmup_after_resume)
 from distributed_utils import run_distributed
 from reference_sim import TinyNet, batch, loss_fn, param_groups
 
@@ -144,6 +145,22 @@ def test_co2_merges_eagerly_by_default_and_zero_is_the_papers_rule():
         parse_config(config("CO2", params={"gap_penalty": "adaptive", "anchor_merge_steps": 1}), WORLD_SIZE)
 
 
+def test_a_resumed_warmup_never_restarts_inside_the_rule():
+    # (resolved N, saved N, committed updates, the type's rule under way) -> the N the resumed run uses
+    assert warmup_after_resume(10, 10, 3, False) == 10  # the same N: exact resume
+    assert warmup_after_resume(2, 2, 5, True) == 2  # past both warm-ups
+    # past the saved warm-up, before the new one: the warm-up is over at the loaded step
+    assert warmup_after_resume(10, 0, 3, True) == 3
+    assert warmup_after_resume(10, 3, 3, False) == 3  # the saved warm-up had just ended, no job yet
+    # still inside the saved warm-up: the new length holds, longer or shorter
+    assert warmup_after_resume(10, 5, 3, False) == 10
+    assert warmup_after_resume(2, 5, 3, False) == 2
+    # a checkpoint from before the entry: only the rule under way tells
+    assert warmup_after_resume(10, None, 3, True) == 3
+    assert warmup_after_resume(10, None, 3, False) == 10
+    assert warmup_after_resume(0, None, 3, True) == 0
+
+
 # ---- the start-up line for a config written for the old defaults ------------------------------------
 def test_one_line_says_what_changed_for_an_old_config():
     acco = defaults_note(parse_config(config("ACCO", "bf16"), WORLD_SIZE), "a sixth of the scheduler's 720 updates")
@@ -213,6 +230,38 @@ def _worker(rank, world_size, directory):
     results["acco_resumed"] = (resumed.schedule.warmup_sync_updates, resumed.global_steps)
     resumed.destroy()
 
+    # A checkpoint written with warmup_sync_updates 0 while ACCO's estimate job is in flight, resumed under
+    # "auto", which now resolves to 60 // 6 = 10 > the saved step: the warm-up cannot restart inside the
+    # rule, so N becomes the loaded step (logged once, on rank 0), every update keeps its two half-rounds
+    # of train_batch_size samples, and the run continues bitwise as the one that never stopped.
+    long_section = {"type": "WarmupDecayLR", "params": {"total_num_steps": 60, "warmup_num_steps": 2,
+                                                        "warmup_max_lr": 1e-2}}
+    engine, _, _ = build(config("ACCO", scheduler=long_section, params={"warmup_sync_updates": 0}))
+    _train(engine, rank, 5)
+    saved_at = (engine.global_steps, engine.schedule.phase.value, engine.schedule.running is not None)
+    engine.save_checkpoint(directory, tag="acco-rule")
+
+    def continue_run(run):
+        counts = []
+        for index in range(5, 13):
+            _train(run, rank, 1, start=index)
+            counts.append((run.global_steps, run.global_samples))
+        return counts, torch.cat([shard.master for shard in run.optimizer.shards]).clone()
+
+    straight = continue_run(engine)
+    engine.destroy()
+    handler.lines.clear()
+    resumed, _, _ = build(config("ACCO", scheduler=long_section))
+    resolved = resumed.schedule.warmup_sync_updates
+    resumed.load_checkpoint(directory, tag="acco-rule")
+    used = (resumed.schedule.warmup_sync_updates, resumed.engine_config.params.warmup_sync_updates)
+    counts, masters = continue_run(resumed)
+    results["acco_rule_resumed"] = dict(
+        saved_at=saved_at, resolved=resolved, used=used, counts=counts, straight_counts=straight[0],
+        bitwise=torch.equal(masters, straight[1]), batch=resumed.train_batch_size(),
+        lines=[line for line in handler.lines if "warmup_sync_updates resolved" in line])
+    resumed.destroy()
+
     # An HF-Trainer-style scheduler given as a callable: 10 // 6 = 1 synchronous update.
     import transformers
     engine, _, scheduler = build(config("DPU"), lr_scheduler=lambda opt: transformers.get_linear_schedule_with_warmup(
@@ -261,6 +310,23 @@ def test_engines_run_on_the_defaults(tmp_path):
                                  (3, False)]
         assert acco["scales"] == (1.0, 1.0)
         assert result["acco_resumed"] == (2, 3)
+        rule = result["acco_rule_resumed"]
+        assert rule["saved_at"] == (2, "second_half", True) and rule["resolved"] == 10
+        assert rule["used"] == (2, 2)
+        assert rule["counts"] == rule["straight_counts"] and rule["bitwise"]
+        # one update per two micro-batches (two half-rounds of one), train_batch_size samples each
+        assert [steps for steps, _ in rule["counts"]] == [2, 3, 3, 4, 4, 5, 5, 6]
+        first_samples = {}
+        for steps, samples in rule["counts"]:
+            first_samples.setdefault(steps, samples)
+        assert [first_samples[s + 1] - first_samples[s] for s in (3, 4, 5)] == [rule["batch"]] * 3 == [16] * 3
+        if rank == 0:
+            assert rule["lines"] == [
+                "load_checkpoint: the checkpoint is past its synchronous warm-up (2 updates committed, written with "
+                "warmup_sync_updates 0); warmup_sync_updates resolved to 10 for this run, but a warm-up cannot "
+                "restart in the middle of ACCO's rule, so 2 is used (the warm-up is over)"]
+        else:
+            assert rule["lines"] == []
         assert "the first 2 updates are synchronous (warmup_sync_updates \"auto\": a sixth of the scheduler's 12 " \
                "updates (WarmupDecayLR total_num_steps)" in acco["note"]
         if rank == 0:

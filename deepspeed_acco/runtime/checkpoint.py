@@ -474,6 +474,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_module_stric
         schedule.reset()
     elif same_type:
         _load_same_type(engine, files, saved_world_size)
+        schedule.continue_warmup(ours)
     else:
         _load_committed_state(engine, files, saved_world_size, model_states)
     if load_lr_scheduler_states and engine.lr_scheduler is not None:

@@ -26,7 +26,9 @@ What the engine reads:
   decay schedule: rising (or flat) to a peak, then falling. A warm-up-stable-decay schedule reads as
   "stops falling" where its stable stretch begins (rule 2), a cosine with hard restarts gives its
   first cycle as T: an integer is the way to set N for those.
-Nothing is read from the scheduler's state, so a resumed engine resolves the same N.
+Nothing is read from the scheduler's state, so a resumed engine resolves the same N. Checkpoints
+record the N they were written under; a resumed run whose N differs (another total_num_steps, a
+checkpoint from before "auto") continues as :func:`warmup_after_resume` says.
 """
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -157,3 +159,22 @@ def describe_warmup(updates: int, reason: Optional[str]) -> str:
         return f"{what} (warmup_sync_updates {updates})"
     return f"{what} (warmup_sync_updates \"auto\": {reason})"
 
+
+
+def warmup_after_resume(resolved: int, saved: Optional[int], global_steps: int, rule_under_way: bool) -> int:
+    """N for a run that continues a checkpoint of its own type (docs/design.md, 3.8 and 5).
+
+    ``resolved``: this run's N; ``saved``: the N the checkpoint was written under (None: written
+    before checkpoints recorded it); ``global_steps``: the updates the checkpoint committed;
+    ``rule_under_way``: whether it holds the type's own rule in progress (a job in flight, or a
+    phase other than the first).
+
+    The warm-up comes first and cannot restart mid-way: a checkpoint past the warm-up of its run
+    (``global_steps >= saved``, or the rule under way) continues under the type's rule, so a larger
+    ``resolved`` becomes ``global_steps`` (the warm-up is over). A checkpoint still inside its
+    warm-up continues with ``resolved``. Without ``saved`` only the rule under way tells.
+    """
+    if global_steps >= resolved:
+        return resolved
+    past_warmup = rule_under_way or (saved is not None and global_steps >= saved)
+    return global_steps if past_warmup else resolved
