@@ -641,6 +641,28 @@ def test_auto_bandwidth_solves_for_the_share():
         rate_for_share(1.0, t_compute, bits, 1e8, 0.1)
 
 
+def test_auto_bandwidth_counts_what_the_probe_moves():
+    """DeepSpeed's round on gloo is an all-reduce (twice a reduce-scatter's volume) plus an
+    all-gather, 1.5x the ideal round at two ranks; the rate must count that volume, or its extra
+    half passes for a fixed part that does not shrink with the rate. The figures are the bf16 demo's
+    (compute-only 432 ms/update; the probe's round 384 ms at 243.726 Mbit/s; DeepSpeed ZeRO-1 then
+    measured 129 ms of communication per update at 1.11 Gbit/s)."""
+    from deepspeed_acco.bench import report
+    from deepspeed_acco.bench.commprobe import rate_for_share
+    n, world, nodes = 3_287_552, 2, 2
+    ideal = report.method_comm_seconds("zero1", n, world, 1.0, "bf16", nodes)
+    probe = report.probe_round_bits("zero1", n, world, "bf16", nodes)
+    assert probe == pytest.approx(1.5 * ideal)
+    assert report.probe_round_bits("zero0", n, world, "bf16", nodes) == pytest.approx(ideal)
+    assert report.probe_round_bits("acco", n, world, "bf16", nodes) == pytest.approx(ideal)
+    rate, fixed = rate_for_share(1 / 3, 0.432, probe, 243.726e6, 0.384)
+    assert fixed == pytest.approx(0.384 - probe / 243.726e6) and 0.04 < fixed < 0.08
+    # The model predicts what ZeRO-1 measured at the old rate to within 10%...
+    assert fixed + probe / 1.11e9 == pytest.approx(0.129, rel=0.1)
+    # ... and the rate it chooses is about half the old one.
+    assert 450e6 < rate < 560e6
+
+
 def test_time_estimate_warns_naming_the_flags(capsys):
     from types import SimpleNamespace
 

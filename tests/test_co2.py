@@ -209,10 +209,13 @@ def test_outer_wait_monitor_warns_once_after_consecutive_unhidden_rounds():
     message = round_of(1.0, 0.5)
     assert message is not None and "optimizer.params.local_steps (now 4)" in message
     assert round_of(1.0, 0.9) is None  # once
-    eager = OuterWaitMonitor("anchor_merge_steps", 1, clock=lambda: now[0])
-    assert eager.record(0.0) is None
-    messages = []
-    for _ in range(3):
-        now[0] += 2.0
-        messages.append(eager.record(1.0))
-    assert messages[:2] == [None, None] and "optimizer.params.anchor_merge_steps (now 1)" in messages[2]
+    for local_steps, names_bound in ((4, False), (1, True)):
+        eager = OuterWaitMonitor("anchor_merge_steps", 1, clock=lambda: now[0], bound=("local_steps", local_steps))
+        assert eager.record(0.0) is None
+        messages = []
+        for _ in range(3):
+            now[0] += 2.0
+            messages.append(eager.record(1.0))
+        assert messages[:2] == [None, None] and "optimizer.params.anchor_merge_steps (now 1)" in messages[2]
+        # At its upper bound (H = local_steps) raising H alone is refused by the config check: name both.
+        assert ("optimizer.params.local_steps (now 1)" in messages[2]) == names_bound, messages[2]

@@ -368,9 +368,15 @@ def test_every_rank_holds_bitwise_the_same_model(results, world_size):
         first = runs[0]["replicas"][name]
         assert first["global_steps"] > 0 and torch.isfinite(first["committed"]).all(), name
         assert (first["committed"] - initial).abs().max() > 1e-2, f"{name} did not train"
+        # CO2 with one replica per rank (group_size 1) merges eagerly by default: each replica keeps
+        # its own inner steps, so only the committed anchor is the same everywhere, and the replicas
+        # really are apart (docs/design.md 3.5).
+        own_replicas = name.startswith("CO2-q")
         for rank, run in enumerate(runs):
-            for key in ("holds", "committed"):
+            for key in ("committed",) if own_replicas else ("holds", "committed"):
                 assert torch.equal(run["replicas"][name][key], first[key]), f"{name}: rank {rank} {key} differs"
+        if own_replicas:
+            assert not torch.equal(runs[1]["replicas"][name]["holds"], first["holds"]), f"{name}: replicas equal"
     replicas = runs[0]["replicas"]
     for kind in ("DPU", "ACCO"):
         for key in ("holds", "committed"):

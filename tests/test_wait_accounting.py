@@ -149,4 +149,6 @@ def test_skipped_co2_outer_round_is_logged(results):
 def test_co2_outer_averaging_not_hidden_is_logged_once(results):
     messages = [m for m in get(results, "co2-not-hidden")["messages"] if "not hidden" in m]
     assert len(messages) == 1, f"expected one warning that the outer averaging is not hidden, got {messages}"
+    # The default eager merge (H = 1) already sits at local_steps 1: both keys are named.
+    assert "optimizer.params.anchor_merge_steps (now 1)" in messages[0], messages[0]
     assert "optimizer.params.local_steps (now 1)" in messages[0], messages[0]

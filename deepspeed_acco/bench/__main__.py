@@ -460,7 +460,8 @@ def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, m
     """``--bandwidth auto``: the per-direction rate at which DeepSpeed ZeRO-1 spends ``--comm-share``
     of its update communicating, T_comm / (T_compute + T_comm) = share, with T_compute from the
     compute-only run and T_comm from ZeRO-1's collectives timed on the emulated network at a first
-    guess of the rate (a round takes a fixed part plus bytes / rate; commprobe.rate_for_share)."""
+    guess of the rate (a round takes a fixed part plus the bytes the probe moves / rate:
+    report.probe_round_bits, commprobe.rate_for_share)."""
     from . import report
     from .commprobe import rate_for_share
     share = args.comm_share
@@ -470,7 +471,10 @@ def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, m
     t_compute = compute.ms_per_update / 1000.0
     world = args.nodes * args.ranks_per_node
     nodes = args.nodes if args.nodes >= 2 else 1
-    bits = report.method_comm_seconds(BASELINE, n_params, world, 1.0, args.precision, nodes)  # ideal s x bit/s
+    # What the probe's collectives move (DeepSpeed all-reduces its gradients on gloo: half as much
+    # again as the ideal reduce-scatter + all-gather at two ranks); counting the ideal volume instead
+    # took that extra half for a fixed part and left ZeRO-1 at 23-26% instead of 33%.
+    bits = report.probe_round_bits(BASELINE, n_params, world, args.precision, nodes)  # s x bit/s
     guess = bits / (share / (1.0 - share) * t_compute)
     with Network(args, guess, shaping_ok, force_private=True) as net:
         probe = probe_comm(net.placement, n_params, os.path.join(out, "commprobe_auto.json"), args.threads,

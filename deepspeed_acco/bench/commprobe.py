@@ -24,10 +24,10 @@ def rate_for_share(share: float, t_compute_s: float, bits_per_round: float, prob
                    probed_round_s: float):
     """The per-direction link rate at which a round takes ``share`` of compute + round.
 
-    A round over a shaped link takes about ``fixed + bits / rate``: ``bits_per_round`` is the ideal
-    volume through the busiest link (so that ``bits / rate`` is the ideal time), and ``fixed`` (latency,
-    protocol, the reduction's arithmetic) is what the round measured at ``probe_rate_bps`` takes
-    beyond its ideal time. Returns ``(rate_bps, fixed_s)``; ``rate_bps`` is None when the fixed part
+    A round over a shaped link takes about ``fixed + bits / rate``: ``bits_per_round`` is the volume
+    the timed collectives move through the busiest link (report.probe_round_bits: an all-reduce
+    counts twice a reduce-scatter), and ``fixed`` (latency, protocol, the reduction's arithmetic) is
+    what the round measured at ``probe_rate_bps`` takes beyond ``bits / probe_rate_bps``. Returns ``(rate_bps, fixed_s)``; ``rate_bps`` is None when the fixed part
     alone already exceeds the share (no link rate gets there)."""
     if not 0.0 < share < 1.0:
         raise ValueError(f"the communication share must lie in (0, 1), got {share}")

@@ -506,6 +506,21 @@ def probe_round_seconds(probe: dict, method: str, precision: str) -> Optional[fl
     return None if all_reduce is None or all_gather is None else all_reduce + all_gather
 
 
+def probe_round_bits(method: str, n_params: int, world_size: int, precision: str, nodes: int = 1) -> float:
+    """Ideal volume (bits through the busiest link, as :func:`comm_round_seconds` counts it) of the
+    collectives :func:`probe_round_seconds` times for ``method``: DeepSpeed's round on gloo is an
+    all-reduce of the gradients (twice a reduce-scatter's volume) plus, past stage 0, an all-gather
+    of the parameters; our engine's round moves what :func:`method_comm_seconds` counts."""
+    variant = parse_variant(method)
+    if variant.method.ours:
+        return method_comm_seconds(method, n_params, world_size, 1.0, precision, nodes)
+    grad, param = variant.comm_bytes(precision)
+    all_reduce = comm_round_seconds(n_params, world_size, 1.0, grad, param_bytes=grad, nodes=nodes)
+    if variant.method.name == "zero0":
+        return all_reduce
+    return all_reduce + comm_round_seconds(n_params, world_size, 1.0, 0.0, param_bytes=param, nodes=nodes)
+
+
 def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Optional[int] = None,
                   gap_penalty=None) -> Optional[float]:
     """Lower bound on the per-update time: overlapped methods max(T_compute, k T_comm) (ACCO k = 2,

@@ -152,8 +152,11 @@ class OuterWaitMonitor:
     wait took more than ``threshold`` of the round's wall-clock, naming the key to raise.
     """
 
-    def __init__(self, key: str, value: int, *, threshold: float = 0.1, patience: int = 3, clock=time.perf_counter):
+    def __init__(self, key: str, value: int, *, threshold: float = 0.1, patience: int = 3, clock=time.perf_counter,
+                 bound: Optional[Tuple[str, int]] = None):
         self.key, self.value = key, value
+        self.bound = bound
+        """(key, value) of the setting that caps ``key``: named too when ``value`` already sits at it."""
         self.threshold, self.patience, self.clock = threshold, patience, clock
         self.round_started: Optional[float] = None
         self.consecutive = 0
@@ -170,10 +173,12 @@ class OuterWaitMonitor:
         if self.consecutive < self.patience:
             return None
         self.warned = True
+        raise_what = f"optimizer.params.{self.key} (now {self.value})"
+        if self.bound is not None and self.value >= self.bound[1]:
+            raise_what += f" together with its upper bound optimizer.params.{self.bound[0]} (now {self.bound[1]})"
         message = (f"CO2: the outer averaging was not hidden in {self.patience} consecutive rounds (the last one "
                    f"waited {waited_s:.2f} s of {round_s:.2f} s): training runs at the link's pace; raise "
-                   f"optimizer.params.{self.key} (now {self.value}) so that one averaging fits under it, or "
-                   f"compress it (zero_quantized_weights)")
+                   f"{raise_what} so that one averaging fits under it, or compress it (zero_quantized_weights)")
         logger.warning(message)
         return message
 
@@ -384,7 +389,8 @@ class CO2(Schedule):
         self.merge_steps = self.params.anchor_merge_steps if self.params.eager_merge else None
         """H in eager mode; None under the paper's rule (anchor_merge_steps 0 or null)."""
         self.outer_wait_monitor = (OuterWaitMonitor("local_steps", self.params.local_steps) if self.merge_steps is None
-                                   else OuterWaitMonitor("anchor_merge_steps", self.merge_steps))
+                                   else OuterWaitMonitor("anchor_merge_steps", self.merge_steps,
+                                                         bound=("local_steps", self.params.local_steps)))
         self.boundary_masters: Optional[List[torch.Tensor]] = None
         """Eager mode: y_k on this rank's inner shards, kept from boundary k until J_k is merged."""
         self.round_lr_sums = [0.0] * len(self.flats)
