@@ -213,6 +213,11 @@ def test_formula_bytes_per_parameter_at_eight_ranks():
     # job averages parameters in fp32) + 8 (fp32 replica state) + 12 / 8 (outer) + 4 / 8 (mean
     # displacement) + 4 (eager mode's boundary masters).
     assert total("CO2", anchor_merge_steps=1) == pytest.approx(8 + 18 + 4 + 8 + 16 / 8 + 4)
+    # Not given, the formula takes the engine's default (the eager merge).
+    from deepspeed_acco.runtime.memory import CO2_DEFAULT_ANCHOR_MERGE_STEPS
+    from deepspeed_acco.runtime.optimizers.co2 import CO2Params
+    assert CO2_DEFAULT_ANCHOR_MERGE_STEPS == CO2Params().anchor_merge_steps
+    assert total("CO2") == total("CO2", anchor_merge_steps=1)
     assert total("CO2", group_size=8, anchor_merge_steps=0) == pytest.approx(8 + 18 / 8 + 4 + 8 + 16 / 8)
     assert total("CO2", anchor_merge_steps=1, outer_communication_dtype="bf16") == pytest.approx(
         8 + 18 + 2 + 8 + 14 / 8 + 4)

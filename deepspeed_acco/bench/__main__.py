@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bandwidth", default="auto",
                    help="link rate, e.g. 1gbit, 300mbit (tc tbf; per node and direction with --nodes >= 2, the "
                         "loopback's total with --nodes 1); none: no shaping; auto: the rate at which DeepSpeed "
-                        f"ZeRO-1 spends {AUTO_SHARE:.0%} of its update communicating on this machine, from the "
+                        f"ZeRO-1 spends {AUTO_SHARE:.0%}% of its update communicating on this machine, from the "
                         "compute-only run and a measured round (--comm-share)")
     g.add_argument("--comm-share", type=_share, default=AUTO_SHARE,
                    help="with --bandwidth auto: the share of ZeRO-1's update spent communicating (docs/bench.md)")

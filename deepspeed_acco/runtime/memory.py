@@ -244,6 +244,11 @@ def _ring_bytes(shard_numels: Iterable[int], members: int, dtype_bytes: int, bac
     return sum(2 * numel * dtype_bytes for numel in set(shard_numels))
 
 
+CO2_DEFAULT_ANCHOR_MERGE_STEPS = 1
+"""CO2's default ``anchor_merge_steps`` (the eager merge, docs/design.md 3.5), which the formula
+assumes when ``options`` does not give it (tests/test_memory.py checks it against the engine's)."""
+
+
 def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[int]], world_size: int,
                         model_dtype="fp32", communication_dtype=None,
                         options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
@@ -252,7 +257,7 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
     ``padded_numels``: each flat group's padded length (one int: one group); ``world_size`` W;
     dtypes as torch dtypes or "fp32"/"bf16"/"fp16" (the communication dtype defaults to the
     engine's rule: the model's, fp32 with compressed gradients). ``options``: ``num_parameters`` (the real count, for bytes per parameter; default the
-    padded total), ``group_size``, ``anchor_merge_steps`` and ``outer_communication_dtype`` (CO2; the
+    padded total), ``group_size``, ``anchor_merge_steps`` (default the engine's, 1) and ``outer_communication_dtype`` (CO2; the
     last fp32 unless the config gives ``communication_data_type``), ``compression``
     (``{"gradients", "weights", "bits", "block_size"}``), ``backend`` ("gloo" adds the ring
     reduce-scatter's buffers; default "nccl").
@@ -291,7 +296,8 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
             outer = padded // world_size
             c["co2_outer"] += 12 * outer
             c["co2_replica"] += 8 * padded
-            if options.get("anchor_merge_steps"):  # 0 or None: the paper's rule keeps no boundary masters
+            # 0 or None: the paper's rule keeps no boundary masters; not given: the engine's default.
+            if options.get("anchor_merge_steps", CO2_DEFAULT_ANCHOR_MERGE_STEPS):
                 c["co2_replica"] += 4 * inner  # the inner masters kept from the boundary to the merge
             c["communication"] += outer_bytes * padded + outer_bytes * outer  # displacement and its mean
             c["compression"] += _compression_bytes(padded, world_size, compression)
