@@ -472,7 +472,15 @@ def _watch_the_save(directory, snapshot_root, world_size):
         try:
             state["count"] += 1
             name = f"{state['count']:03d}"
-            shutil.copytree(root, os.path.join(snapshot_root, name), symlinks=True)
+            target = os.path.join(snapshot_root, name)
+            for _ in range(50):
+                try:
+                    shutil.copytree(root, target, symlinks=True)
+                    break
+                except (shutil.Error, FileNotFoundError):  # the other rank moved a file meanwhile: copy again
+                    real["rmtree"](target, ignore_errors=True)
+            else:
+                raise RuntimeError(f"could not copy {root} while the other ranks kept changing it")
             with real["open"](os.path.join(snapshot_root, "steps.txt"), "a") as log:
                 log.write(f"{name} {description}\n")
             if not _latest_is_loadable(root, world_size):
