@@ -10,7 +10,8 @@ reports two tables: every method at equal samples (``--updates``), and, with ``-
 the time each method needs to reach a validation loss (by default DeepSpeed ZeRO-1's after
 ``--updates``). CSVs, JSON, Markdown and PNG plots go to ``--out``.
 
-With no arguments (``make demo``) it runs the defaults below in under 10 minutes on 2 CPU cores.
+With no arguments (``make demo``) it runs the defaults below; on 2 CPU cores with AVX512-BF16 that took
+about 8 minutes (docs/bench.md, "How long make demo takes"), and it prints its own estimate.
 """
 import argparse
 import datetime
