@@ -690,3 +690,15 @@ def test_help_renders():
     from deepspeed_acco.bench.__main__ import build_parser
     text = build_parser().format_help()
     assert "--bandwidth" in text and "spends 33% of its update" in text and "--comm-share" in text
+
+
+def test_job_timeout_follows_the_measured_baseline():
+    """Before any job: 120 s + 20 s per update; once ZeRO-1 has run, at least three times its time
+    per update (uncompressed ACCO on a slow link takes about twice ZeRO-1's); --run-timeout wins."""
+    from deepspeed_acco.bench.__main__ import job_timeout_s
+    assert job_timeout_s(0, 150, 150) == 120 + 20 * 150
+    assert job_timeout_s(0, 4, 4, baseline_s_per_update=0.5) == 120 + 20 * 4  # a fast baseline keeps the bound
+    # A 125M model at 100 Mbit/s: ZeRO-1 took 27 s per update; 4 updates of ACCO need about 2 x 27 x 4.
+    assert job_timeout_s(0, 4, 4, baseline_s_per_update=27.0) == pytest.approx(120 + 3 * 27 * 4)
+    assert job_timeout_s(0, 4, 4, baseline_s_per_update=27.0) > 2 * 27 * 4 + 60
+    assert job_timeout_s(900, 4, 4, baseline_s_per_update=27.0) == 900

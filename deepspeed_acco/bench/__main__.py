@@ -202,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
                    help="deepspeed: hostfile + --no_ssh --node_rank per node; torchrun: c10d rendezvous per node")
     g.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    g.add_argument("--run-timeout", type=float, default=0, help="seconds per job (0: 120 + 20 x updates run)")
+    g.add_argument("--run-timeout", type=float, default=0,
+                   help="seconds per job (0: 120 + 20 x the updates a job may run, or 120 + 3 x DeepSpeed ZeRO-1's "
+                        "measured seconds per update x those updates once it has run, whichever is more)")
     g.add_argument("--no-comm-probe", action="store_true",
                    help="skip timing the collectives of one update round on each shaped link")
     g.add_argument("--fault", default="", metavar="KIND@U",
@@ -501,6 +503,21 @@ def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, m
     return rate
 
 
+def job_timeout_s(run_timeout: float, max_updates: int, updates: int,
+                  baseline_s_per_update: Optional[float] = None) -> float:
+    """Seconds a job may take before the bench stops it: ``--run-timeout`` if given; else 120 s of
+    start-up plus, per update the job may run (``updates``), 20 s (the bound before any job ran,
+    over ``max_updates``) or three times DeepSpeed ZeRO-1's measured seconds per update, whichever
+    is more. A method that communicates twice per update on a slow link (uncompressed ACCO) takes
+    about twice ZeRO-1's time per update; a fixed 20 s stopped ACCO on a 125M model at 100 Mbit/s."""
+    if run_timeout:
+        return run_timeout
+    timeout = 120.0 + 20.0 * max_updates
+    if baseline_s_per_update is not None:
+        timeout = max(timeout, 120.0 + 3.0 * baseline_s_per_update * updates)
+    return timeout
+
+
 class _Estimate:
     """After the compute-only run and ZeRO-1's, the time the whole invocation should take."""
 
@@ -630,7 +647,7 @@ def main(argv=None) -> int:
                 date_utc=stamp, machine=info, n_params=n_params, corpus=corpus.describe(), args=vars(args),
                 link={}, busy_warning=busy, runs=[], targets={}, refused=refused, precision_why=precision_why)
     by_key = {}
-    timeout = args.run_timeout or (120 + 20 * args.max_updates)
+    timeout = job_timeout_s(args.run_timeout, args.max_updates, args.max_updates)
     started = time.perf_counter()
     estimate = _Estimate(args, methods, rates, started)
 
@@ -689,6 +706,9 @@ def main(argv=None) -> int:
                             desc = (parse_variant(method).label + ("" if len(rates) == 1 else f" @{label}")
                                     + ("" if len(args.seeds) == 1 else f" seed {seed}") + rtag)
                             total = args.updates if target is None else args.max_updates
+                            baseline = estimate.baseline
+                            timeout = job_timeout_s(args.run_timeout, args.max_updates, total, None if baseline is None
+                                                    else baseline.wall_s / max(baseline.updates, 1))
                             if run_job(net.placement, args.launcher,
                                        worker_args(args, method, run_dir, seed=seed, target_loss=target), run_dir,
                                        desc, threads=args.threads, timeout_s=timeout, progress_total=total,
