@@ -84,6 +84,24 @@ def test_runner_runs_the_plan_in_order_and_writes_the_output_folder(tmp_path):
                                                 "e2e.json"}
 
 
+def _kill_processes_mentioning(text):
+    """SIGKILL the process group of every process whose command line contains ``text`` (the
+    stand-ins under tmp_path, with the ``sleep`` they started)."""
+    own = os.getpgid(0)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                if text.encode() not in handle.read():
+                    continue
+            group = os.getpgid(int(entry))
+            if group != own:
+                os.killpg(group, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def test_a_killed_run_keeps_every_finished_step(tmp_path):
     env = _stand_ins(tmp_path, slow_on="e2e_step_time.py")
     process = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -98,6 +116,7 @@ def test_a_killed_run_keeps_every_finished_step(tmp_path):
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # as the device tool kills a command past its limit
         process.wait()
+        _kill_processes_mentioning(str(tmp_path))  # `timeout` runs its step in a process group of its own
     lines = _summary_lines(tmp_path / "out")
     assert [line.split()[1] for line in lines if line.startswith("PASS")] == STEPS[:STEPS.index("e2e")]
     assert lines[-1].startswith("RUNNING  e2e")
