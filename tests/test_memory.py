@@ -174,10 +174,10 @@ def test_breakdown_matches_formula_at_two_ranks_and_deepspeed_zero1():
             bench = deepspeed["bench"]  # at the end of an update, as the bench measures it
             assert bench["gradients_from_sizes"]
             assert bench["total_bytes"] - bench["categories"]["other"] == predicted["total_bytes"]
-    # ACCO in bf16 (default: bf16 communication) against DeepSpeed ZeRO-1 in bf16: 6 bytes per padded
-    # parameter (the fp32 accumulator's 2 more than DeepSpeed's bf16 gradients, the bf16 gradient
-    # snapshot, the gathered estimate) plus, per shard element, 14 (reduced bf16 2, fp32 shard
-    # gradient 4, kept first half 4, gloo's two bf16 ring chunks 4).
+    # ACCO in bf16 (default: bf16 communication) against DeepSpeed ZeRO-1 in bf16: 4 bytes per padded
+    # parameter (the fp32 accumulator's 2 more than DeepSpeed's bf16 gradients, and the bf16 gradient
+    # snapshot, which also receives the gathered estimate) plus, per shard element, 14 (reduced bf16 2,
+    # fp32 shard gradient 4, kept first half 4, gloo's two bf16 ring chunks 4).
     acco = next(item["measured"] for item in results[0]["ours"] if item["run"] == ("ACCO", "bf16", None, (), False))
     dpu = next(item["measured"] for item in results[0]["ours"] if item["run"][:2] == ("DPU", "bf16"))
     zero1 = results[0]["deepspeed"]["bf16"]["measured"]
@@ -187,7 +187,12 @@ def test_breakdown_matches_formula_at_two_ranks_and_deepspeed_zero1():
     held = {name: breakdown["total_bytes"] - breakdown["categories"]["other"] for name, breakdown in
             (("acco", acco), ("dpu", dpu), ("zero1", zero1))}
     assert held["zero1"] == 4 * deepspeed_padded + 12 * deepspeed_padded // 2
-    assert held["acco"] == (4 + 6) * padded + (12 + 14) * padded // 2
+    assert held["acco"] == (4 + 4) * padded + (12 + 14) * padded // 2
+    # The all-gather output is the snapshot's storage when the dtypes match, its own buffer otherwise.
+    assert acco["categories"]["gathered"] == 0 and dpu["categories"]["gathered"] == 0
+    acco_fp32_comm = next(item["measured"] for item in results[0]["ours"]
+                          if item["run"] == ("ACCO", "bf16", "fp32", (), False))
+    assert acco_fp32_comm["categories"]["gathered"] == 2 * padded
     assert held["acco"] - held["dpu"] == 4 * padded // 2  # DPU: no kept first half
 
 
@@ -207,8 +212,11 @@ def test_formula_bytes_per_parameter_at_eight_ranks():
     # ShardedAdamW: model 2 + fp32 accumulator 4 + bf16 snapshot 2 = 8 per param; master, moments,
     # reduced (bf16) and fp32 shard gradient 4 + 8 + 2 + 4 = 18 per shard element = 2.25 per param.
     assert total("ShardedAdamW") == pytest.approx(10.25)
-    assert total("DPU") == pytest.approx(12.25)  # + the gathered parameters (bf16)
-    assert total("ACCO") == pytest.approx(12.75)  # + the kept first-half sum (fp32 shard)
+    # DPU: its all-gather output is the bf16 snapshot's storage (nothing more); with another
+    # communication dtype it needs its own (+ 2).
+    assert total("DPU") == pytest.approx(10.25)
+    assert predicted_breakdown("DPU", P, W, "bf16", "fp32")["bytes_per_parameter"]["gathered"] == 2
+    assert total("ACCO") == pytest.approx(10.75)  # + the kept first-half sum (fp32 shard)
     # CO2 (group_size 1: the inner update is not sharded): 8 + 18 + 4 (fp32 displacement: the outer
     # job averages parameters in fp32) + 8 (fp32 replica state) + 12 / 8 (outer) + 4 / 8 (mean
     # displacement) + 4 (eager mode's boundary masters).
@@ -239,6 +247,6 @@ def test_bench_memory_table():
     lines = table.splitlines()
     assert lines[0] == "| bytes/param/rank | ACCO | DPU |"
     assert "| acco_first_half | 0.50 | 0.00 |" in lines
-    assert "| **total** | 12.75 | 12.25 |" in lines
+    assert "| **total** | 10.75 | 10.25 |" in lines
     assert lines[-1] == "| peak MiB per rank | 120 (RSS) | 50 (GPU) |"
     assert memory_table({"compute-only": [{"memory": None}]}) == ""

@@ -67,7 +67,18 @@ class FlatParamGroup:
       grad_accum   [P] fp32         raw gradient sums of the current round (training thread)
       job_grad     [P] comm dtype   the previous round's gradients, input of the running job
       gather       [P] model dtype  all-gather output of the running job (None if synchronous:
-                                    then the job gathers straight into model_flat)
+                                    then the job gathers straight into model_flat); when the
+                                    communication dtype is the model's, it *is* ``job_grad``
+                                    (``gather_shares_job_grad``, below)
+
+    Sharing ``gather`` with ``job_grad`` (docs/design.md, "Memory: bytes per parameter per rank")
+    saves b_m P bytes per rank. It is safe because a job reads ``job_grad`` only in its
+    reduce-scatter, which has ended before its update writes the first gathered element, and the
+    boundary installs the gathered vector into ``model_flat`` before the next hand-over writes new
+    gradients there. Everything that reads ``gather`` between a job's end and the next launch
+    (installs, ``committed_flats()``, checkpoints, a pending job restored from one) sees it intact.
+    With fp32 communication ``job_grad`` ping-pongs with ``grad_accum`` at every hand-over, and
+    ``gather`` follows it, which is why it is a property.
 
     ``geometry`` gives the shard this rank owns; CO2 shards the same vector twice (inside its
     group for the inner steps, over all ranks for the outer state), so the padding follows
@@ -108,7 +119,14 @@ class FlatParamGroup:
             self.job_grad = torch.zeros_like(self.grad_accum)
         else:
             self.job_grad = torch.zeros(self.padded_numel, dtype=communication_dtype, device=self.device)
-        self.gather = None if synchronous else torch.zeros_like(self.model_flat)
+        # Our own all-gather output only when the job's gradient snapshot cannot hold it (another dtype).
+        self.gather_shares_job_grad = not synchronous and self.job_grad.dtype == self.model_dtype
+        self._gather = None if synchronous or self.gather_shares_job_grad else torch.zeros_like(self.model_flat)
+
+    @property
+    def gather(self):
+        """The running (or last) job's all-gather output: ``job_grad`` itself when the dtypes match."""
+        return self.job_grad if self.gather_shares_job_grad else self._gather
 
     def _views_of(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[s:s + p.numel()].view_as(p) for p, s in zip(self.params, self.offsets)]

@@ -44,7 +44,9 @@ DESCRIPTIONS = {
     "communication": "the gradient snapshot a job reduces (comm dtype, full length), its reduced shard and "
                      "fp32 shard gradient, gloo's ring buffers; DeepSpeed: its gradient partitions and buckets",
     "gathered": "all-gather output of an overlapped job (DPU: the committed parameters, ACCO: the estimate "
-                "or the committed parameters), installed at the next boundary (model dtype, full length)",
+                "or the committed parameters), installed at the next boundary (model dtype, full length); "
+                "none of its own when the communication dtype is the model's: the job writes it into the "
+                "gradient snapshot it has finished reducing",
     "acco_first_half": "ACCO: the reduced first-half gradient sum kept for the commit (fp32 shard)",
     "co2_outer": "CO2: anchors x_k, x_{k+1} and the outer momentum (fp32, sharded over all ranks)",
     "co2_replica": "CO2: the round's starting point and the gathered next anchor (fp32, full length), "
@@ -97,8 +99,9 @@ def schedule_buffers(schedule) -> List[Entry]:
     for index, flat in enumerate(schedule.flats):
         entries += [("model", f"flats[{index}].model_flat", flat.model_flat),
                     ("gradient_accumulator", f"flats[{index}].grad_accum", flat.grad_accum),
-                    ("communication", f"flats[{index}].job_grad", flat.job_grad),
-                    ("gathered", f"flats[{index}].gather", flat.gather)]
+                    ("communication", f"flats[{index}].job_grad", flat.job_grad)]
+        if not flat.gather_shares_job_grad:  # else the snapshot above is also the all-gather output
+            entries.append(("gathered", f"flats[{index}].gather", flat.gather))
     for index, shard in enumerate(schedule.shards):
         entries.append(("master", f"shards[{index}].master", shard.master))
         entries += [("moments", f"shards[{index}].{key}", value) for key, value in shard.state.items()]
@@ -271,6 +274,8 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
     if communication_dtype is None:  # the engine's rule: the model's dtype, fp32 under compressed gradients
         communication_dtype = "fp32" if (options.get("compression") or {}).get("gradients") else model_dtype
     comm_bytes = DTYPE_BYTES[_dtype(communication_dtype)]
+    # The all-gather output shares the gradient snapshot's storage when the dtypes match (flat.py).
+    gather_in_snapshot = _dtype(communication_dtype) == _dtype(model_dtype)
     # CO2's outer averaging moves parameters, not gradients: fp32 unless communication_data_type is given.
     outer_bytes = DTYPE_BYTES[_dtype(options.get("outer_communication_dtype", "fp32"))]
     compression = dict(options.get("compression") or {})
@@ -288,7 +293,7 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
         c["moments"] += 8 * inner
         c["gradient_accumulator"] += 4 * padded
         c["communication"] += comm_bytes * padded + comm_bytes * inner + 4 * inner  # job_grad, reduced, grad
-        if kind in ("dpu", "acco"):
+        if kind in ("dpu", "acco") and not gather_in_snapshot:
             c["gathered"] += model_bytes * padded
         if kind == "acco":
             c["acco_first_half"] += 4 * inner
