@@ -62,6 +62,25 @@ def test_fault_runs_refuse_what_they_cannot_do():
     assert "shorter than --communication-timeout-s" in check("--fault", "flap:30@2", "--communication-timeout-s", "20")
     assert "--slow-rank" in check("--fault", "flap:3@2", "--slow-rank", "1:2")
     assert "expected link-down@U" in check("--fault", "unplug@2")
+    # --recover: after a lost node only, never CO2, and only where the global batch can be kept.
+    assert "node-kill@U" in check("--fault", "link-down@2", "--recover")
+    assert "--methods sharded,dpu,acco" in check("--fault", "node-kill@2", "--recover", methods=("acco", "co2"))
+    assert "must divide by 2" in check("--fault", "node-kill@2", "--recover", "--nodes", "3", "--grad-accum", "1",
+                                       methods=("dpu",))
+    assert "even" in check("--fault", "node-kill@2", "--recover", "--nodes", "3", "--grad-accum", "2")
+    args = build_parser().parse_args(["--updates", "5", "--fault", "node-kill@2", "--recover", "--grad-accum", "2"])
+    assert faults.recovery_accumulation(args, faults.parse_fault(args.fault), ["acco", "dpu"]) == 4
+
+
+def test_checkpoint_record_names_what_a_killed_save_left(tmp_path):
+    for tag in ("update1", "update2"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (tmp_path / ".update3.staging").mkdir()  # a save the kill interrupted
+    (tmp_path / "latest").write_text("update2")
+    assert faults.checkpoint_record(str(tmp_path)) == dict(latest="update2", complete=["update1", "update2"],
+                                                           other=[".update3.staging"])
+    assert faults.checkpoint_record(str(tmp_path / "none")) == dict(latest=None, complete=[], other=[])
 
 
 @pytest.mark.slow

@@ -212,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(docs/faults.md): link-down@U (its link goes down for good), flap:S@U (down for S seconds, "
                         "then up), node-kill@U (SIGKILL to all of its processes); our methods only, no compute-only "
                         "run, no comm probe; --bandwidth auto means 100mbit here")
+    g.add_argument("--recover", action="store_true",
+                   help="with --fault node-kill@U: checkpoint every --save-every updates, then relaunch from the "
+                        "newest checkpoint on the nodes left (fewer ranks, the optimizer state re-sharded, the same "
+                        "global batch by more accumulation) up to --updates, next to an undisturbed run "
+                        "(docs/faults.md)")
+    g.add_argument("--save-every", type=_positive_int, default=1,
+                   help="with --recover: save a checkpoint every N committed updates")
     g.add_argument("--communication-timeout-s", type=_positive_float, default=None,
                    help="our methods' communication_timeout_s (default: the engine's, 300 s); fault runs use a "
                         "short one")

@@ -14,6 +14,11 @@ A fault hits node 1 of a :class:`~.netns.Cluster` when rank 0 has committed upda
 - ``node-kill@U``: every process of node 1 (its launcher and its ranks) gets SIGKILL. The kernel
   closes their sockets, so the survivors' collectives fail; they must exit as for ``link-down``.
 
+With ``--recover`` (node-kill only) the ranks save a checkpoint every ``--save-every`` updates, and
+after the kill :func:`recover` relaunches the method from the newest one on the nodes left (fewer
+ranks, the optimizer state re-sharded, the same global batch by more accumulation) and compares
+its validation loss with an undisturbed run's.
+
 :func:`run_fault_bench` runs each method with the fault (after an undisturbed run for ``flap``),
 measures the seconds from the fault to each rank's exit, reads each rank's recorded error
 (``failure_rank<R>.txt``, written by :mod:`.train`), checks that no namespace, veth, bridge or
@@ -295,10 +300,33 @@ def check_fault_args(args, methods: List[str]) -> Fault:
             and fault.seconds >= args.communication_timeout_s:
         raise SystemExit(f"--fault {args.fault}: a flap must be shorter than --communication-timeout-s "
                          f"({args.communication_timeout_s:g}), or it is a link loss")
+    if args.recover:
+        recovery_accumulation(args, fault, methods)
     ok, why = netns.supported()
     if not ok:
         raise SystemExit(f"--fault needs emulated nodes (network namespaces): {why}")
     return fault
+
+
+def recovery_accumulation(args, fault: Fault, methods: List[str]) -> int:
+    """With ``--recover``: the gradient accumulation that keeps the global batch on the nodes left
+    (SystemExit naming the flag and the fix where it cannot)."""
+    from .methods import parse_variant
+    if fault.kind != "node-kill":
+        raise SystemExit(f"--recover relaunches after a lost node: use it with --fault node-kill@U (got {fault.spec()})")
+    co2 = [m for m in methods if parse_variant(m).method.name == "co2"]
+    if co2:
+        raise SystemExit(f"--recover: {', '.join(co2)} cannot continue on fewer ranks (CO2's checkpoints continue only "
+                         f"at the same world size: each rank's replica state is its own); run --methods sharded,dpu,acco")
+    left = args.nodes - 1
+    if (args.grad_accum * args.nodes) % left:
+        raise SystemExit(f"--recover keeps the global batch on {left} node(s), so --grad-accum x --nodes "
+                         f"({args.grad_accum} x {args.nodes}) must divide by {left}; pick another --grad-accum")
+    accumulation = args.grad_accum * args.nodes // left
+    if accumulation % 2 and any(parse_variant(m).method.name == "acco" for m in methods):
+        raise SystemExit(f"--recover: ACCO on {left} node(s) would accumulate {accumulation} micro-batches, which it "
+                         f"cannot split in two halves; pick an --grad-accum that keeps it even")
+    return accumulation
 
 
 def _markdown(meta: dict) -> str:
@@ -333,8 +361,97 @@ def _markdown(meta: dict) -> str:
         for r in meta["runs"]:
             for k, v in r["failures"].items():
                 lines.append(f"- {r['label']}, rank {k}: `{v['error']}`")
-    lines += ["", "The bench writes no checkpoint during these runs, so none can be left half-written.", ""]
+    recovered = [r for r in meta["runs"] if r.get("recovery")]
+    if recovered:
+        lines += ["", "## Relaunched on the nodes left", "",
+                  "Each method saved a checkpoint every {} update(s) while it trained; after the kill the bench "
+                  "relaunched it from the newest one (`latest`) on the node(s) left, with the same global batch "
+                  "(more accumulation per rank) and the optimizer state re-sharded, up to update {}. The undisturbed "
+                  "run is the same method on every node, never interrupted.".format(meta.get("save_every"),
+                                                                                     meta.get("updates")), "",
+                  "| method | checkpoint used (update) | other entries in the checkpoint folder | ranks, accumulation "
+                  "after | validation loss at the checkpoint, recovered / undisturbed | validation loss after update "
+                  f"{meta.get('updates')}, recovered / undisturbed | difference | exit codes | left behind |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in recovered:
+            rec = r["recovery"]
+            diff = "n/a"
+            if rec["val_final"] is not None and rec["reference_val_final"]:
+                diff = f"{100 * (rec['val_final'] / rec['reference_val_final'] - 1):+.2f}%"
+            lines.append(f"| {r['label']} | {rec['checkpoint_update']} | {', '.join(rec['other']) or 'none'} | "
+                         f"{rec['world']}, {rec['grad_accum']} | {_fmt(rec['val_at_resume'])} / "
+                         f"{_fmt(rec['reference_val_at_resume'])} | {_fmt(rec['val_final'])} / "
+                         f"{_fmt(rec['reference_val_final'])} | {diff} | {rec.get('returncodes')} | "
+                         f"{rec['leftovers_text']} |")
+    else:
+        lines += ["", "The bench writes no checkpoint during these runs, so none can be left half-written."]
+    lines.append("")
     return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def _summary(run_dir: str) -> Optional[dict]:
+    path = os.path.join(run_dir, "rank0.summary.json")
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def checkpoint_record(save_dir: str) -> dict:
+    """What a killed run left in its checkpoint folder: the tag ``latest`` names, the complete tags,
+    and anything else (a staging folder of a save the kill interrupted)."""
+    names = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
+    latest = None
+    if "latest" in names:
+        with open(os.path.join(save_dir, "latest")) as f:
+            latest = f.read().strip()
+    complete = [n for n in names if re.fullmatch(r"update\d+", n)
+                and os.path.isfile(os.path.join(save_dir, n, "mp_rank_00_model_states.pt"))]
+    return dict(latest=latest, complete=complete,
+                other=[n for n in names if n != "latest" and n not in complete])
+
+
+def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str, bps, job_timeout: float) -> dict:
+    """Relaunch ``method`` from the newest checkpoint of the killed run on the nodes left (the same
+    global batch: more accumulation per rank) up to ``--updates``; compare with the undisturbed run."""
+    import copy
+    from .__main__ import Network, worker_args
+    from .jobs import run_job
+    save_dir = os.path.join(run_dir, "checkpoints")
+    record = checkpoint_record(save_dir)
+    left_args = copy.copy(args)
+    left_args.nodes = args.nodes - 1
+    left_args.grad_accum = recovery_accumulation(args, parse_fault(args.fault), [method])
+    world = left_args.nodes * args.ranks_per_node
+    out = dict(record, world=world, grad_accum=left_args.grad_accum, ok=False, checkpoint_update=None,
+               val_at_resume=None, reference_val_at_resume=None, val_final=None, reference_val_final=None,
+               leftovers={}, leftovers_text="n/a")
+    if record["latest"] is None:
+        out["error"] = "the killed run left no checkpoint"
+        return out
+    out["checkpoint_update"] = int(record["latest"].replace("update", ""))
+    rec_dir = os.path.join(base, "recovered")
+    with Network(left_args, bps, True, force_private=True) as net:
+        ok = run_job(net.placement, args.launcher, worker_args(left_args, method, rec_dir) + ["--resume", save_dir],
+                     rec_dir, f"{label} (recovered, {world} rank(s))", threads=args.threads, timeout_s=job_timeout,
+                     progress_total=args.updates - out["checkpoint_update"], show_progress=not args.no_progress)
+    wait_for_no_processes(rec_dir)
+    left = leftovers(rec_dir)
+    job = json.load(open(os.path.join(rec_dir, "job.json")))
+    summary, reference = _summary(rec_dir), _summary(ref_dir)
+    resumed = str(out["checkpoint_update"])
+    final = str(args.updates)
+    out.update(returncodes=job["returncodes"], job_s=job["job_s"], leftovers=left,
+               leftovers_text="nothing" if not any(left.values()) else json.dumps(left))
+    if summary is not None:
+        out.update(val_at_resume=summary["val"].get(resumed), val_final=summary["val"].get(final),
+                   resumed_from_update=summary.get("resumed_from_update"), final_update=summary.get("final_update"))
+    if reference is not None:
+        out.update(reference_val_at_resume=reference["val"].get(resumed), reference_val_final=reference["val"].get(final))
+    out["ok"] = bool(ok and summary is not None and out["val_final"] is not None
+                     and summary.get("resumed_from_update") == out["checkpoint_update"] and not any(left.values()))
+    return out
 
 
 def run_fault_bench(args, methods: List[str], out: str, command: str, machine: dict) -> int:
@@ -354,13 +471,14 @@ def run_fault_bench(args, methods: List[str], out: str, command: str, machine: d
     job_timeout = args.run_timeout or (120 + 20 * args.updates + timeout_s + fault.seconds)
     meta = dict(fault=fault.spec(), description=fault.describe(), command=command, nodes=args.nodes, world=world,
                 link=netns.format_bandwidth(bps), timeout_s=timeout_s, exit_grace_s=EXIT_GRACE_S,
-                machine=f"{machine.get('cpu')}, {machine.get('cores')} cores", runs=[])
+                machine=f"{machine.get('cpu')}, {machine.get('cores')} cores", runs=[],
+                updates=args.updates, save_every=args.save_every if args.recover else None)
     bad = 0
     for method in methods:
         label = parse_variant(method).label
         base = os.path.join(out, "runs", method)
         entry = dict(method=method, label=label)
-        if fault.kind == "flap":
+        if fault.kind == "flap" or args.recover:
             ref_dir = os.path.join(base, "undisturbed")
             with Network(args, bps, True, force_private=True) as net:
                 ok = run_job(net.placement, args.launcher, worker_args(args, method, ref_dir), ref_dir,
@@ -369,9 +487,10 @@ def run_fault_bench(args, methods: List[str], out: str, command: str, machine: d
             entry["reference_ok"] = ok
             entry["reference_job_s"] = json.load(open(os.path.join(ref_dir, "job.json")))["job_s"]
         run_dir = os.path.join(base, "fault")
+        saving = ["--save-every", str(args.save_every)] if args.recover else []
         with Network(args, bps, True, force_private=True) as net:
             injector = FaultInjector(fault, net.cluster, run_dir, timeout_s)
-            ok = run_job(net.placement, args.launcher, worker_args(args, method, run_dir), run_dir,
+            ok = run_job(net.placement, args.launcher, worker_args(args, method, run_dir) + saving, run_dir,
                          f"{label} ({fault.spec()})", threads=args.threads, timeout_s=job_timeout,
                          progress_total=args.updates, show_progress=not args.no_progress, fault=injector)
         wait_for_no_processes(run_dir)
@@ -395,9 +514,17 @@ def run_fault_bench(args, methods: List[str], out: str, command: str, machine: d
             entry["within_limit"] = bool(exits) and max(exits) <= timeout_s + EXIT_GRACE_S \
                 and all(c not in (0, None) for c in job["returncodes"]) and not job.get("fault_overdue")
             good = entry["within_limit"]
+        if args.recover:
+            entry["recovery"] = recover(args, method, label, run_dir, ref_dir, base, bps, job_timeout)
+            good = good and entry["recovery"]["ok"]
         good = good and not any(left.values()) and inj["fault_at"] is not None
         bad += not good
         meta["runs"].append(entry)
+        if args.recover:
+            rec = entry["recovery"]
+            print(f"{label}: relaunched from the checkpoint of update {rec['checkpoint_update']} on {rec['world']} "
+                  f"rank(s): validation loss after update {args.updates} {_fmt(rec['val_final'])}, undisturbed "
+                  f"{_fmt(rec['reference_val_final'])}; left behind: {rec['leftovers_text']}", flush=True)
         print(f"{label}: {fault.spec()}: " + (
             f"losses bitwise equal: {entry['losses'] and entry['losses']['bitwise_equal']}"
             if fault.kind == "flap" else

@@ -105,6 +105,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--communication-timeout-s", type=float, default=None,
                    help="our methods: the engine's communication_timeout_s (default: the engine's)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save a checkpoint every N committed updates into --save-dir (0: never); on the clock")
+    p.add_argument("--save-dir", default="", help="where --save-every saves (default RUN_DIR/checkpoints)")
+    p.add_argument("--resume", default="", metavar="DIR",
+                   help="continue from the latest checkpoint in DIR, at this run's world size (the optimizer "
+                        "state is re-sharded when it differs)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.max_updates = max(args.max_updates, args.updates) if args.target_loss is not None else args.updates
@@ -358,6 +364,19 @@ def run(args) -> dict:
         windows = validation_windows(corpus.val, args.ctx, args.val_windows)
         validator = _Validator(build_model(args.model, args.ctx, args.seed), windows, rank, world,
                                batch_size=max(1, 2 * args.micro_batch))
+    start_update, micro = 0, 0
+    if args.resume:
+        if args.method == "compute":
+            raise ValueError("--resume: the compute-only run has no checkpoints")
+        path, client = engine.load_checkpoint(args.resume)
+        if path is None:
+            raise FileNotFoundError(f"--resume {args.resume}: no 'latest' file there; point it at a --save-dir")
+        # Each rank continues its own stream of micro-batches where the saved run's rank of the same
+        # number left it (rank r's stream is the same at any world size).
+        micro = int(client.get("bench_micro_batches", 0))
+        start_update = int(engine.global_steps)
+    save_dir = args.save_dir or os.path.join(args.run_dir, "checkpoints")
+    checkpoints, save_s = [], 0.0
     device = getattr(engine, "device", None) or next(engine.module.parameters()).device
     train_batch_size = args.micro_batch * args.grad_accum * world
 
@@ -395,13 +414,13 @@ def run(args) -> dict:
     cpu0, sys0 = time.process_time(), _system_cpu()
     init_s = t0 - t_proc
     if validator is not None:
-        validate(0)
-    micro, losses, committed, slow_s = 0, [], 0, 0.0
+        validate(start_update)
+    losses, committed, slow_s = [], start_update, 0.0
     wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = None, None, None, None
     reached_update, reached_wall = None, None
     target = args.target_loss if validator is not None and args.method != "compute" else None
-    if target is not None and val[0] <= target:
-        reached_update, reached_wall = 0, 0.0
+    if target is not None and val[start_update] <= target:
+        reached_update, reached_wall = start_update, 0.0
 
     def paused() -> float:
         return snapshot_s + eval_s - eval_comm_s
@@ -443,6 +462,11 @@ def run(args) -> dict:
             validate(committed)
             if target is not None and reached_update is None and val[committed] <= target:
                 reached_update, reached_wall = committed, wall
+        if args.save_every and committed % args.save_every == 0 and committed < args.max_updates:
+            ts = time.perf_counter()  # on the clock: saving is part of what such a run pays
+            engine.save_checkpoint(save_dir, tag=f"update{committed}", client_state={"bench_micro_batches": micro})
+            save_s += time.perf_counter() - ts
+            checkpoints.append(committed)
         if committed >= args.max_updates or (committed >= args.updates
                                              and (target is None or reached_update is not None)):
             break
@@ -469,6 +493,7 @@ def run(args) -> dict:
                    process_wall_s=t_end - t_proc,
                    target_loss=target, reached_update=reached_update, reached_wall_s=reached_wall,
                    max_updates=args.max_updates,
+                   resumed_from_update=start_update if args.resume else None, checkpoints=checkpoints, save_s=save_s,
                    slow_sleep_s=slow_s, comm_wait_s=None if wait is None else float(wait),
                    peak_rss_mib=peak_rss_mib, peak_gpu_mib=peak_gpu_mib, cpu_s=cpu_at_updates,
                    machine_busy_s=None if sys0 is None or sys_at_updates is None else sys_at_updates[0] - sys0[0],
