@@ -384,3 +384,48 @@ def test_cuda_job_waits_for_the_training_stream_before_it_starts():
     work.wait()
     assert seen.min().item() == 3.0
     assert lane.close()
+
+
+# ---- the small all-reduce on gloo (three real processes) ---------------------------------------
+def _small_all_reduce_worker(rank, world_size):
+    import torch.distributed as dist
+    from deepspeed_acco.runtime.comm import SMALL_ALL_REDUCE_NUMEL
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    communicator = Communicator(dist.group.WORLD, rank, world_size, "stats", backend="gloo")
+    generator = torch.Generator().manual_seed(rank)
+    small = torch.rand(2, dtype=torch.float64, generator=generator) * 10.0 ** (3 * rank)
+    by_gloo = small.clone()
+    dist.all_reduce(by_gloo)
+    mine = small.clone()
+    records = []
+    comm._running_job.records = records  # what the hang check and its errors would see
+    try:
+        communicator.all_reduce(mine)
+    finally:
+        del comm._running_job.records
+    large = torch.rand(SMALL_ALL_REDUCE_NUMEL + 1, generator=generator)
+    large_by_gloo = large.clone()
+    dist.all_reduce(large_by_gloo)
+    communicator.all_reduce(large)
+    everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(everyone, small)
+    in_rank_order = everyone[0].clone()
+    for values in everyone[1:]:
+        in_rank_order += values
+    return dict(mine=mine.tolist(), by_gloo=by_gloo.tolist(), in_rank_order=in_rank_order.tolist(),
+                collectives=[(r.name, r.completed) for r in records], large_equal=bool(torch.equal(large, large_by_gloo)))
+
+
+def test_small_all_reduce_is_an_all_gather_and_the_same_sum_on_every_rank():
+    """A job's statistics (at most SMALL_ALL_REDUCE_NUMEL values) are all-gathered and summed in rank
+    order on gloo: half the sequential messages of the ring all-reduce. Every rank gets the same
+    bits, the rank-order sum, within an ulp or so of gloo's ring sum (values of different
+    magnitudes make the order visible); larger tensors still take gloo's all-reduce."""
+    from distributed_utils import run_distributed
+    results = run_distributed(_small_all_reduce_worker, 3)
+    first = results[0]
+    for result in results:
+        assert result["mine"] == first["mine"] == result["in_rank_order"]
+        assert result["mine"] == pytest.approx(result["by_gloo"], rel=1e-15)
+        assert result["collectives"] == [("all_reduce", True)]  # errors still name the caller's collective
+        assert result["large_equal"]

@@ -71,6 +71,10 @@ WATCHDOG_GRACE_FRACTION = 0.25
 
 # NCCL (>= 2.26) orders the operations of several communicators of one GPU by the order the host
 # issued them in, instead of requiring the application to serialise them.
+SMALL_ALL_REDUCE_NUMEL = 64
+"""On gloo an all-reduce of at most this many values (a job's statistics) is an all-gather and a sum
+in rank order: W - 1 sequential messages instead of the ring all-reduce's 2 (W - 1), which is what
+matters on a link with latency (docs/results.md, "Latency, on paper")."""
 NCCL_LAUNCH_ORDER_ENV = "NCCL_LAUNCH_ORDER_IMPLICIT"
 NCCL_LAUNCH_ORDER_MIN_VERSION = (2, 26)
 
@@ -426,10 +430,27 @@ class Communicator:
         self._run("exchange", run, peers=self._peers([peer for peer, _ in sends + receives]))
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over ranks in place (used for the small per-job statistics)."""
+        """Sum ``tensor`` over ranks in place (the small per-job statistics; CO2's outer averaging).
+
+        On gloo a small tensor (:data:`SMALL_ALL_REDUCE_NUMEL`) is all-gathered and summed in rank
+        order on every rank: half the sequential messages of gloo's ring all-reduce, the same sum on
+        every rank (bitwise equal to the ring's at two ranks, where either adds the two values)."""
         if self.local:
             return
+        if self.backend != "nccl" and tensor.numel() <= SMALL_ALL_REDUCE_NUMEL:
+            self._run("all_reduce", lambda: self._gathered_sum(tensor))
+            return
         self._run("all_reduce", lambda: dist.all_reduce(tensor, group=self.group))
+
+    def _gathered_sum(self, tensor: torch.Tensor) -> None:
+        flat = tensor.reshape(-1).contiguous()
+        gathered = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(gathered, flat, group=self.group)
+        rows = gathered.view(self.world_size, -1)
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total.add_(row)
+        tensor.copy_(total.view_as(tensor))
 
 
 @contextlib.contextmanager
