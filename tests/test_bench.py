@@ -95,9 +95,10 @@ def test_method_modifiers_merge_into_the_config():
     # gradients in the model's dtype by default; CO2's round averages parameters in fp32.
     assert parse_variant("zero1").comm_bytes("bf16") == (2, 2) and parse_variant("zero1").comm_bytes("fp32") == (4, 4)
     assert parse_variant("acco").comm_bytes("bf16") == (2, 2) and v.comm_bytes("bf16") == (2, 2)
-    assert parse_variant("co2").comm_bytes("bf16") == (4, 2) and parse_variant("co2+bf16comm").comm_bytes("bf16") == (2, 2)
+    # CO2 averages fp32 parameters and gathers its fp32 anchor; bf16comm changes only the averaging.
+    assert parse_variant("co2").comm_bytes("bf16") == (4, 4) and parse_variant("co2+bf16comm").comm_bytes("bf16") == (2, 4)
     assert parse_variant("zero1+fp32comm").comm_bytes("bf16") == (4, 2)
-    assert report.comm_label("acco", "bf16") == "bf16/bf16" and report.comm_label("co2", "bf16") == "fp32/bf16" and report.comm_label("zero0", "bf16") == "bf16 all-reduce"
+    assert report.comm_label("acco", "bf16") == "bf16/bf16" and report.comm_label("co2", "bf16") == "fp32/fp32" and report.comm_label("zero0", "bf16") == "bf16 all-reduce"
     for bad, words in (("acco+fast", "unknown modifier 'fast'"), ("adam", "unknown method 'adam'"),
                        ("acco+bf16comm+bf16comm", "given twice"), ("zero1+q8", "only with ZeRO stage 3")):
         with pytest.raises(ValueError, match=words):

@@ -111,9 +111,11 @@ class Variant:
 
         Both DeepSpeed and deepspeed_acco reduce gradients in the model's dtype unless
         ``communication_data_type`` says otherwise (docs/design.md, 3.6); CO2's round averages
-        parameters, in fp32 unless that key is given. Parameters are gathered in the model's dtype."""
+        parameters, in fp32 unless that key is given, and gathers the new anchor in fp32
+        (``OuterState.gather``) unless weights are compressed. Other methods gather parameters in the
+        model's dtype."""
         model = 2.0 if precision == "bf16" else 4.0
-        grad, param = (4.0 if self.method.name == "co2" else model), model
+        grad, param = (4.0, 4.0) if self.method.name == "co2" else (model, model)
         for m in self.modifiers:
             grad = m.gradient_bytes if m.gradient_bytes is not None else grad
             param = m.parameter_bytes if m.parameter_bytes is not None else param
