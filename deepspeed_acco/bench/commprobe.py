@@ -12,12 +12,20 @@ parameters gathered: ``engine_round_model_dtype_s``) and with ``communication_da
 (``engine_round_bf16comm_s``). Rank 0 writes the best of ``--repeats`` timings, in seconds, as
 JSON. The bench runs it once per network so its report can say what one round really costs, next
 to the ideal ``bytes / link rate``.
+
+With ``--sizes N1,N2,...`` (element counts) it also times, for each size, torch's ``all_reduce`` and
+``all_gather_into_tensor`` of N fp32 values, our communicator's ``reduce_scatter`` (on gloo a ring
+of isend/irecv) and ``all_gather``, and its ``all_to_all`` of the same 4 N bytes split as the int8
+reduce-scatter splits its send buffer (nothing to itself, an equal slice to every other rank), and
+writes them under ``"sizes"``: one entry per size, ``{numel, bytes, <collective>_s, ...}``, from
+which :mod:`.latency` fits a per-message and a per-byte cost for each collective.
 """
 import argparse
 import json
 import os
 import sys
 import time
+from typing import List
 
 
 def rate_for_share(share: float, t_compute_s: float, bits_per_round: float, probe_rate_bps: float,
@@ -38,6 +46,46 @@ def rate_for_share(share: float, t_compute_s: float, bits_per_round: float, prob
     return bits_per_round / (target - fixed), fixed
 
 
+def parse_sizes(text: str) -> List[int]:
+    """``"1000,4e6"`` -> [1000, 4000000]; empty -> []. Sizes are element counts, each >= 1."""
+    sizes = []
+    for item in (x.strip() for x in str(text).split(",") if x.strip()):
+        try:
+            value = float(item)
+        except ValueError:
+            raise SystemExit(f"--sizes: {item!r} is not a number; give element counts, e.g. 1000,10000,1e6") from None
+        if value < 1 or value != int(value):
+            raise SystemExit(f"--sizes: {item!r} is not a positive whole number of elements")
+        sizes.append(int(value))
+    return sizes
+
+
+def time_size(numel: int, comm, timed, world: int, rank: int, device) -> dict:
+    """Time every collective :mod:`.latency` models at ``numel`` fp32 values (rounded down to a multiple
+    of the world size, at least one value per rank). ``bytes`` is the size of the full fp32 vector;
+    each rank sends (W - 1) / W of it in a reduce-scatter, an all-gather or the all-to-all, twice that
+    in an all-reduce."""
+    import torch
+    import torch.distributed as dist
+    n = max(world, numel - numel % world)
+    x = torch.ones(n, device=device)
+    shard = torch.empty(n // world, device=device)
+    full = torch.empty(n, device=device)
+    # The int8 reduce-scatter's all-to-all: a packed chunk to every other rank, nothing to itself
+    # (runtime.compression.QuantizedReduceScatter); here of a fp32 chunk's 4 n / W bytes.
+    chunk_bytes = 4 * (n // world)
+    split = [0 if peer == rank else chunk_bytes for peer in range(world)]
+    send = torch.zeros((world - 1) * chunk_bytes, dtype=torch.uint8, device=device)
+    receive = torch.zeros_like(send)
+    return dict(numel=n, bytes=4 * n,
+                all_reduce_s=timed(lambda: dist.all_reduce(x)),
+                all_gather_s=timed(lambda: dist.all_gather_into_tensor(full, shard)),
+                engine_reduce_scatter_s=timed(lambda: comm.reduce_scatter(shard, x)),
+                engine_all_gather_s=timed(lambda: comm.all_gather(full, shard)),
+                all_to_all_s=timed(lambda: comm.all_to_all(receive, send, output_split_sizes=split,
+                                                            input_split_sizes=split)))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, required=True)
@@ -45,8 +93,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="the model's dtype (what the parameter all-gather moves)")
+    p.add_argument("--sizes", default="",
+                   help="comma-separated element counts: also time each collective at each size (for .latency)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    sizes = parse_sizes(args.sizes)
 
     import torch
     import torch.distributed as dist
@@ -95,6 +146,8 @@ def main(argv=None) -> int:
                                                            comm.all_gather(full_b, shard_b)))
         out["engine_round_bf16comm_s"] = timed(lambda: (comm.reduce_scatter(shard_b, xb),
                                                         comm.all_gather(full_b, shard_b)))
+    if sizes:
+        out["sizes"] = [time_size(numel, comm, timed, world, rank, device) for numel in sizes]
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

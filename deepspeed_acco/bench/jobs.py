@@ -316,10 +316,11 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
 
 
 def probe_comm(placement: Placement, n_params: int, out_path: str, threads: int,
-               param_dtype: str = "fp32") -> Optional[dict]:
-    """Run :mod:`.commprobe` as a job on ``placement`` (torchrun); None (with a note) if it fails."""
+               param_dtype: str = "fp32", extra_args: Sequence[str] = (), timeout_s: float = 300.0) -> Optional[dict]:
+    """Run :mod:`.commprobe` as a job on ``placement`` (torchrun); None (with a note) if it fails.
+    ``extra_args``: more of commprobe's flags (``--sizes``, ``--repeats``)."""
     run_dir = os.path.dirname(out_path)
-    args = ["--numel", str(n_params), "--out", out_path, "--param-dtype", param_dtype]
+    args = ["--numel", str(n_params), "--out", out_path, "--param-dtype", param_dtype, *extra_args]
     commands = node_commands(placement, "torchrun", "deepspeed_acco.bench.commprobe", args, run_dir, threads,
                              port=PROBE_PORT if placement.private_network else None, job_id=f"probe{os.getpid()}")
     log_path = out_path + ".log"
@@ -329,7 +330,7 @@ def probe_comm(placement: Placement, n_params: int, out_path: str, threads: int,
             for c in commands:
                 procs.append(subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, env=c.env,
                                               start_new_session=True, cwd=package_root()))
-            deadline = time.time() + 300
+            deadline = time.time() + timeout_s
             while any(p.poll() is None for p in procs) and time.time() < deadline:
                 time.sleep(0.2)
         finally:
