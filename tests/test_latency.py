@@ -1,10 +1,11 @@
-"""The latency model (deepspeed_acco.bench.latency): fit, message counts, prediction. No processes, no network."""
+"""The latency model (deepspeed_acco.bench.latency) and its command line (latency_report): fit, message counts,
+prediction. No processes, no network."""
 import json
 import math
 
 import pytest
 
-from deepspeed_acco.bench import latency
+from deepspeed_acco.bench import latency, latency_report
 from deepspeed_acco.bench.latency import (comm_seconds, fit_alpha_beta, link_bytes, messages_per_update,
                                           predict_ms_per_update, sequential_messages)
 
@@ -216,9 +217,9 @@ def test_cli_needs_sizes(tmp_path):
         latency.main(["--measure", "100mbit"])
     with pytest.raises(SystemExit, match="--report"):
         latency.main(["--probe", str(probe_path)])
-    assert math.isfinite(latency.parse_latencies("0.1,2,20")[2])
+    assert math.isfinite(latency_report.parse_latencies("0.1,2,20")[2])
     with pytest.raises(SystemExit):
-        latency.parse_latencies("a,b")
+        latency_report.parse_latencies("a,b")
 
 
 def test_bucket_points_and_fit_on_an_emulated_link():
