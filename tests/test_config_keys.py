@@ -172,7 +172,9 @@ CHANGES_BEHAVIOUR = [
     ("bf16.bf16_master_weights_and_grads", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}),
     ("bf16.bf16_optimizer_states", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
                                              "bf16_optimizer_states": True}}),
-    ("data_types.grad_accum_dtype", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}),
+    # bf16 accumulation is implemented for bf16 models (tests/test_memory.py); fp16, or bf16 under fp32, is not.
+    ("data_types.grad_accum_dtype", {"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}}),
+    ("data_types.grad_accum_dtype", {"data_types": {"grad_accum_dtype": "bf16"}}),
     ("zero_optimization.cpu_offload", {"zero_optimization": {"stage": 1, "cpu_offload": True}}),  # legacy offload
     ("zero_optimization.zero_hpz_partition_size", {"zero_optimization": {"stage": 1, "zero_hpz_partition_size": 2}}),
     ("checkpoint.load_universal", {"checkpoint": {"load_universal": True}}),

@@ -21,6 +21,7 @@ RUNS = [
     ("DPU", "fp16", None, {}, {}),
     ("DPU", "bf16", None, {}, {}),
     ("ACCO", "bf16", None, {}, {}),
+    ("ACCO", "bf16", None, {}, {"data_types": {"grad_accum_dtype": "bf16"}}),
     ("ACCO", "bf16", "fp32", {}, {}),
     ("ACCO", "bf16", None, {}, {"zero_optimization": {"zero_quantized_gradients": True,
                                                        "zero_quantized_weights": True}}),
@@ -89,6 +90,12 @@ def _train(engine, rank, dtype, micro_batches):
         engine.step()
 
 
+def _extra_key(extra):
+    """The extra config sections of a run, as part of its key ("" for none)."""
+    import json
+    return json.dumps(extra, sort_keys=True) if extra else ""
+
+
 def _ours(rank, world_size, runs):
     import deepspeed_acco
     from deepspeed_acco.runtime.memory import predicted_breakdown, unaccounted
@@ -107,12 +114,14 @@ def _ours(rank, world_size, runs):
                    "group_size": getattr(schedule.params, "group_size", 1),
                    "anchor_merge_steps": getattr(schedule.params, "anchor_merge_steps", None),
                    "outer_communication_dtype": communication or "fp32",
+                   "accumulation_dtype": measured["accumulation_dtype"],
                    "compression": {"gradients": zero.get("zero_quantized_gradients", False),
                                    "weights": zero.get("zero_quantized_weights", False)}}
         predicted = predicted_breakdown(kind, measured["padded_numels"], world_size, measured["model_dtype"],
                                         engine.communication_data_type, options)
-        results.append({"run": (kind, precision, communication, tuple(params.items()), bool(extra)),
-                        "measured": measured, "predicted": predicted, "unaccounted": unaccounted(engine, 1024)})
+        results.append({"run": (kind, precision, communication, tuple(params.items()), _extra_key(extra)),
+                        "measured": measured, "predicted": predicted, "unaccounted": unaccounted(engine, 1024),
+                        "weights": [flat.model_flat.clone() for flat in schedule.flats]})
         engine.destroy()
     return results
 
@@ -178,7 +187,7 @@ def test_breakdown_matches_formula_at_two_ranks_and_deepspeed_zero1():
     # parameter (the fp32 accumulator's 2 more than DeepSpeed's bf16 gradients, and the bf16 gradient
     # snapshot, which also receives the gathered estimate) plus, per shard element, 14 (reduced bf16 2,
     # fp32 shard gradient 4, kept first half 4, gloo's two bf16 ring chunks 4).
-    acco = next(item["measured"] for item in results[0]["ours"] if item["run"] == ("ACCO", "bf16", None, (), False))
+    acco = next(item["measured"] for item in results[0]["ours"] if item["run"] == ("ACCO", "bf16", None, (), ""))
     dpu = next(item["measured"] for item in results[0]["ours"] if item["run"][:2] == ("DPU", "bf16"))
     zero1 = results[0]["deepspeed"]["bf16"]["measured"]
     # Both have ZeRO-1's 4 bytes per parameter (bf16 model and gradients) and 12 per shard element
@@ -191,8 +200,19 @@ def test_breakdown_matches_formula_at_two_ranks_and_deepspeed_zero1():
     # The all-gather output is the snapshot's storage when the dtypes match, its own buffer otherwise.
     assert acco["categories"]["gathered"] == 0 and dpu["categories"]["gathered"] == 0
     acco_fp32_comm = next(item["measured"] for item in results[0]["ours"]
-                          if item["run"] == ("ACCO", "bf16", "fp32", (), False))
+                          if item["run"] == ("ACCO", "bf16", "fp32", (), ""))
     assert acco_fp32_comm["categories"]["gathered"] == 2 * padded
+    # data_types.grad_accum_dtype bf16 (DeepSpeed's bf16 default): the accumulator is 2 bytes per
+    # parameter, and ACCO's extra over DeepSpeed ZeRO-1 is the bf16 snapshot plus O(P/W). With
+    # one micro-batch per round (accumulation 2, ACCO's two halves) a bf16 sum is exact, so the
+    # weights equal the fp32 accumulator's bitwise.
+    by_run = {item["run"]: item for item in results[0]["ours"]}
+    bf16_accumulation = by_run[("ACCO", "bf16", None, (), _extra_key({"data_types": {"grad_accum_dtype": "bf16"}}))]
+    assert bf16_accumulation["measured"]["accumulation_dtype"] == "bfloat16"
+    held_bf16 = bf16_accumulation["measured"]["total_bytes"] - bf16_accumulation["measured"]["categories"]["other"]
+    assert held_bf16 == (4 + 2) * padded + (12 + 14) * padded // 2
+    for ours, theirs in zip(bf16_accumulation["weights"], by_run[("ACCO", "bf16", None, (), "")]["weights"]):
+        assert torch.equal(ours, theirs)
     assert held["acco"] - held["dpu"] == 4 * padded // 2  # DPU: no kept first half
 
 
@@ -217,6 +237,10 @@ def test_formula_bytes_per_parameter_at_eight_ranks():
     assert total("DPU") == pytest.approx(10.25)
     assert predicted_breakdown("DPU", P, W, "bf16", "fp32")["bytes_per_parameter"]["gathered"] == 2
     assert total("ACCO") == pytest.approx(10.75)  # + the kept first-half sum (fp32 shard)
+    # data_types.grad_accum_dtype bf16: the accumulator is 2 bytes per parameter instead of 4.
+    assert total("ACCO", accumulation_dtype="bf16") == pytest.approx(8.75)
+    assert total("DPU", accumulation_dtype="bf16") == total("ShardedAdamW", accumulation_dtype="bf16") == \
+        pytest.approx(8.25)
     # CO2 (group_size 1: the inner update is not sharded): 8 + 18 + 4 (fp32 displacement: the outer
     # job averages parameters in fp32) + 8 (fp32 replica state) + 12 / 8 (outer) + 4 / 8 (mean
     # displacement) + 4 (eager mode's boundary masters).

@@ -127,6 +127,10 @@ class EngineConfig:
     ``communication_data_type`` when given, else the model's dtype, DeepSpeed's rule (docs/design.md, 3.6)."""
     communication_dtype_given: bool = False
     """Whether ``communication_data_type`` was in the config (False: the dtype follows DeepSpeed's rule)."""
+    accumulation_dtype: str = "fp32"
+    """dtype of the round's gradient sums (``data_types.grad_accum_dtype``): fp32 by default
+    (docs/design.md, 3.6); "bf16" (bf16 models only) saves 2 bytes per parameter, as DeepSpeed's
+    bf16 default does."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Quantised reduce-scatter / all-gather (``zero_quantized_gradients`` / ``zero_quantized_weights``)."""
     gradient_clipping: float = 0.0
@@ -144,6 +148,10 @@ class EngineConfig:
     @property
     def communication_torch_dtype(self) -> torch.dtype:
         return _TORCH_DTYPES[self.communication_dtype]
+
+    @property
+    def accumulation_torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.accumulation_dtype]
 
 
 # ---- top-level keys ------------------------------------------------------------------------------
@@ -468,16 +476,20 @@ def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
                                      given, kind)
     communication_dtype = resolve_communication_dtype(given, precision, compression.gradients)
     data_types = config.get("data_types") or {}
-    accumulation_dtype = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
-    if accumulation_dtype is not None and _DTYPE_NAMES.get(str(accumulation_dtype).lower()) != "fp32":
-        raise config_error("data_types.grad_accum_dtype", f"{accumulation_dtype!r}: our engine accumulates "
-                           "gradients in fp32", "set it to \"fp32\" or remove it")
+    given_accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    accumulation_dtype = "fp32" if given_accumulation is None else _DTYPE_NAMES.get(str(given_accumulation).lower())
+    if accumulation_dtype not in ("fp32", "bf16") or (accumulation_dtype == "bf16" and precision != "bf16"):
+        raise config_error("data_types.grad_accum_dtype",
+                           f"{given_accumulation!r} with a {precision} model: our engine accumulates gradients in "
+                           "fp32, or in bf16 for a bf16 model", "set it to \"fp32\", to \"bf16\" with "
+                           "bf16.enabled, or remove it")
 
     clipping = number("gradient_clipping", config.get("gradient_clipping", _deepspeed_default_gradient_clipping()))
     if clipping < 0:
         raise config_error("gradient_clipping", f"must be >= 0, got {clipping}", "use 0 to disable clipping")
     return EngineConfig(optimizer_type=kind, params=params, batch=batch, world_size=world_size, precision=precision,
                         communication_dtype=communication_dtype, communication_dtype_given=given is not None,
+                        accumulation_dtype=accumulation_dtype,
                         compression=compression,
                         gradient_clipping=clipping,
                         steps_per_print=_parse_steps_per_print(config.get("steps_per_print", 10)),

@@ -10,8 +10,9 @@ less (to a multiple of 2 x world size); checkpoints convert between the two layo
 (:func:`deepspeed_geometry`, :mod:`deepspeed_acco.runtime.checkpoint`).
 
 The model's parameters become views into ``model_flat``, so installing gathered parameters is a
-single copy. Gradients are accumulated in fp32 into ``grad_accum`` after every backward, whatever
-the model dtype, and handed to a communication job at the round boundary.
+single copy. Gradients are accumulated into ``grad_accum`` after every backward, in fp32 whatever
+the model dtype (or in bf16 for a bf16 model with ``data_types.grad_accum_dtype``), and handed to
+a communication job at the round boundary.
 """
 import math
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ class FlatParamGroup:
 
     Buffers (P = padded numel, S = P / world_size):
       model_flat   [P] model dtype  the live parameters; every param is a view into it
-      grad_accum   [P] fp32         raw gradient sums of the current round (training thread)
+      grad_accum   [P] fp32 (bf16)  raw gradient sums of the current round (training thread)
       job_grad     [P] comm dtype   the previous round's gradients, input of the running job
       gather       [P] model dtype  all-gather output of the running job (None if synchronous:
                                     then the job gathers straight into model_flat); when the
@@ -77,8 +78,8 @@ class FlatParamGroup:
     boundary installs the gathered vector into ``model_flat`` before the next hand-over writes new
     gradients there. Everything that reads ``gather`` between a job's end and the next launch
     (installs, ``committed_flats()``, checkpoints, a pending job restored from one) sees it intact.
-    With fp32 communication ``job_grad`` ping-pongs with ``grad_accum`` at every hand-over, and
-    ``gather`` follows it, which is why it is a property.
+    When the communication dtype is the accumulator's, ``job_grad`` ping-pongs with ``grad_accum``
+    at every hand-over, and ``gather`` follows it, which is why it is a property.
 
     ``geometry`` gives the shard this rank owns; CO2 shards the same vector twice (inside its
     group for the inner steps, over all ranks for the outer state), so the padding follows
@@ -86,7 +87,8 @@ class FlatParamGroup:
     """
 
     def __init__(self, params: List[torch.nn.Parameter], param_group: Dict, world_size: int, rank: int,
-                 communication_dtype: torch.dtype, synchronous: bool, padding_world_size: int = 0):
+                 communication_dtype: torch.dtype, synchronous: bool, padding_world_size: int = 0,
+                 accumulation_dtype: torch.dtype = torch.float32):
         assert params, "a flat group needs at least one trainable parameter"
         padding_world_size = padding_world_size or world_size
         assert padding_world_size % world_size == 0, "the padding must suit the shard geometry"
@@ -112,9 +114,9 @@ class FlatParamGroup:
             view = self.model_flat[start:start + p.numel()].view_as(p)
             view.copy_(p.detach())
             p.data = view
-        self.grad_accum = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
+        self.grad_accum = torch.zeros(self.padded_numel, dtype=accumulation_dtype, device=self.device)
         self._accum_views = self._views_of(self.grad_accum)
-        if communication_dtype == torch.float32:
+        if communication_dtype == accumulation_dtype:
             # Ping-pong with grad_accum: the boundary swaps the two instead of copying.
             self.job_grad = torch.zeros_like(self.grad_accum)
         else:
@@ -145,7 +147,7 @@ class FlatParamGroup:
                 p.grad = None
         if not views:
             return False
-        if multiplier == 1.0 and all(g.dtype == torch.float32 for g in grads):
+        if multiplier == 1.0 and all(g.dtype == self.grad_accum.dtype for g in grads):
             torch._foreach_add_(views, grads)
         else:
             for view, grad in zip(views, grads):
@@ -157,8 +159,8 @@ class FlatParamGroup:
 
         ``divisor`` (a reduced-precision ``job_grad`` only) divides the sums as they are cast (fp16's
         pre-division, undone by the job)."""
-        if self.job_grad.dtype == torch.float32:
-            assert divisor == 1.0, "fp32 gradients are handed over unscaled"
+        if self.job_grad.dtype == self.grad_accum.dtype:
+            assert divisor == 1.0, "gradients in the accumulator's dtype are handed over unscaled"
             self.grad_accum, self.job_grad = self.job_grad, self.grad_accum
             self._accum_views = self._views_of(self.grad_accum)
         elif divisor != 1.0:

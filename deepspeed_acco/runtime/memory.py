@@ -207,6 +207,7 @@ def engine_breakdown(engine) -> Dict[str, Any]:
                      world_size=schedule.world_size, reachable=reachable_tensors(schedule))
     result.update(optimizer_type=type(schedule).type_name, model_dtype=str(flats[0].model_dtype).replace("torch.", ""),
                   communication_dtype=str(flats[0].job_grad.dtype).replace("torch.", ""),
+                  accumulation_dtype=str(flats[0].grad_accum.dtype).replace("torch.", ""),
                   padded_numels=[flat.padded_numel for flat in flats])
     return result
 
@@ -258,6 +259,8 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
     """The formula of docs/design.md ("Memory: bytes per parameter per rank") for one rank.
 
     ``padded_numels``: each flat group's padded length (one int: one group); ``world_size`` W;
+    ``options["accumulation_dtype"]``: the gradient accumulator's (``data_types.grad_accum_dtype``;
+    default fp32);
     dtypes as torch dtypes or "fp32"/"bf16"/"fp16" (the communication dtype defaults to the
     engine's rule: the model's, fp32 with compressed gradients). ``options``: ``num_parameters`` (the real count, for bytes per parameter; default the
     padded total), ``group_size``, ``anchor_merge_steps`` (default the engine's, 1) and ``outer_communication_dtype`` (CO2; the
@@ -280,6 +283,7 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
     outer_bytes = DTYPE_BYTES[_dtype(options.get("outer_communication_dtype", "fp32"))]
     compression = dict(options.get("compression") or {})
     backend = options.get("backend", "nccl")
+    accumulation_bytes = DTYPE_BYTES[_dtype(options.get("accumulation_dtype", "fp32"))]
     group = int(options.get("group_size", 1)) if kind == "co2" else world_size
     if world_size % group:
         raise ValueError(f"group_size {group} does not divide the world size {world_size}")
@@ -291,7 +295,7 @@ def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[
         c["model"] += model_bytes * padded
         c["master"] += 4 * inner
         c["moments"] += 8 * inner
-        c["gradient_accumulator"] += 4 * padded
+        c["gradient_accumulator"] += accumulation_bytes * padded
         c["communication"] += comm_bytes * padded + comm_bytes * inner + 4 * inner  # job_grad, reduced, grad
         if kind in ("dpu", "acco") and not gather_in_snapshot:
             c["gathered"] += model_bytes * padded

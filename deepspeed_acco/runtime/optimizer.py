@@ -17,14 +17,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Param groups and, per group with trainable parameters, its flat buffers and shard state."""
 
     def __init__(self, param_groups: List[Dict], defaults: Dict, *, world_size: int, rank: int,
-                 communication_dtype: torch.dtype, synchronous: bool, rule: UpdateRule, padding_world_size: int = 0):
+                 communication_dtype: torch.dtype, synchronous: bool, rule: UpdateRule, padding_world_size: int = 0,
+                 accumulation_dtype: torch.dtype = torch.float32):
         super().__init__(param_groups, defaults)
         self.flats: List[FlatParamGroup] = []
         for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
             if trainable:
                 self.flats.append(FlatParamGroup(trainable, group, world_size, rank, communication_dtype, synchronous,
-                                                 padding_world_size))
+                                                 padding_world_size, accumulation_dtype=accumulation_dtype))
         if not self.flats:
             raise ValueError("model_parameters: no parameter requires a gradient; there is nothing to optimize")
         self.shards = [ShardState(flat, communication_dtype, rule) for flat in self.flats]

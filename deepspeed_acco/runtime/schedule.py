@@ -153,7 +153,8 @@ class Schedule:
         optimizer = ShardedOptimizer(context.param_groups, cls.rule.defaults(context.params),
                                      world_size=context.world_size, rank=context.rank,
                                      communication_dtype=context.config.communication_torch_dtype,
-                                     synchronous=cls.synchronous, rule=cls.rule)
+                                     synchronous=cls.synchronous, rule=cls.rule,
+                                     accumulation_dtype=context.config.accumulation_torch_dtype)
         return cls(context, optimizer, context.jobs_communicator)
 
     def __init__(self, context: BuildContext, optimizer: ShardedOptimizer, communicator: Communicator):

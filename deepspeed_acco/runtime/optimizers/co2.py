@@ -366,7 +366,8 @@ class CO2(Schedule):
         optimizer = ShardedOptimizer(context.param_groups, cls.rule.defaults(context.params), world_size=group_size,
                                      rank=context.rank % group_size,
                                      communication_dtype=context.config.communication_torch_dtype, synchronous=True,
-                                     rule=cls.rule, padding_world_size=context.world_size)
+                                     rule=cls.rule, padding_world_size=context.world_size,
+                                     accumulation_dtype=context.config.accumulation_torch_dtype)
         return cls(context, optimizer, inner, outer_communicator=context.jobs_communicator)
 
     def __init__(self, context: BuildContext, optimizer: ShardedOptimizer, communicator: Communicator, *,
