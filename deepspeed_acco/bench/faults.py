@@ -401,20 +401,23 @@ def _summary(run_dir: str) -> Optional[dict]:
 def checkpoint_record(save_dir: str) -> dict:
     """What a killed run left in its checkpoint folder: the tag ``latest`` names, the complete tags,
     and anything else (a staging folder of a save the kill interrupted)."""
+    from deepspeed_acco.runtime.checkpoint import LATEST_NAME, MODEL_STATES_NAME
     names = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
     latest = None
-    if "latest" in names:
-        with open(os.path.join(save_dir, "latest")) as f:
+    if LATEST_NAME in names:
+        with open(os.path.join(save_dir, LATEST_NAME)) as f:
             latest = f.read().strip()
     complete = [n for n in names if re.fullmatch(r"update\d+", n)
-                and os.path.isfile(os.path.join(save_dir, n, "mp_rank_00_model_states.pt"))]
+                and os.path.isfile(os.path.join(save_dir, n, MODEL_STATES_NAME))]
     return dict(latest=latest, complete=complete,
-                other=[n for n in names if n != "latest" and n not in complete])
+                other=[n for n in names if n != LATEST_NAME and n not in complete])
 
 
-def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str, bps, job_timeout: float) -> dict:
+def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str, bps, job_timeout: float,
+            accumulation: int) -> dict:
     """Relaunch ``method`` from the newest checkpoint of the killed run on the nodes left (the same
-    global batch: more accumulation per rank) up to ``--updates``; compare with the undisturbed run."""
+    global batch: ``accumulation`` micro-batches per rank, :func:`recovery_accumulation`) up to
+    ``--updates``; compare with the undisturbed run."""
     import copy
     from .__main__ import Network, worker_args
     from .jobs import run_job
@@ -422,7 +425,7 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
     record = checkpoint_record(save_dir)
     left_args = copy.copy(args)
     left_args.nodes = args.nodes - 1
-    left_args.grad_accum = recovery_accumulation(args, parse_fault(args.fault), [method])
+    left_args.grad_accum = accumulation
     world = left_args.nodes * args.ranks_per_node
     out = dict(record, world=world, grad_accum=left_args.grad_accum, ok=False, checkpoint_update=None,
                val_at_resume=None, reference_val_at_resume=None, val_final=None, reference_val_final=None,
@@ -515,7 +518,8 @@ def run_fault_bench(args, methods: List[str], out: str, command: str, machine: d
                 and all(c not in (0, None) for c in job["returncodes"]) and not job.get("fault_overdue")
             good = entry["within_limit"]
         if args.recover:
-            entry["recovery"] = recover(args, method, label, run_dir, ref_dir, base, bps, job_timeout)
+            entry["recovery"] = recover(args, method, label, run_dir, ref_dir, base, bps, job_timeout,
+                                        recovery_accumulation(args, fault, methods))
             good = good and entry["recovery"]["ok"]
         good = good and not any(left.values()) and inj["fault_at"] is not None
         bad += not good
