@@ -147,10 +147,10 @@ def test_new_communicator_sets_the_group_timeout_and_nccl_settings(monkeypatch, 
     assert kwargs["ranks"] == [0, 1] and communicator.rank == 1 and communicator.world_size == 2
     if backend == "nccl":
         assert environment == comm.NCCL_GROUP_ENVIRONMENT
-        assert not communicator.local and not communicator.ring_reduce_scatter
+        assert not communicator.local and not communicator.point_to_point
     else:
         assert environment == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": None}
-        assert communicator.ring_reduce_scatter
+        assert communicator.point_to_point
     # The environment is the user's again afterwards.
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
 
@@ -412,15 +412,41 @@ def _small_all_reduce_worker(rank, world_size):
     in_rank_order = everyone[0].clone()
     for values in everyone[1:]:
         in_rank_order += values
+    # The large collectives are point-to-point rings on gloo: the same values as gloo's own.
+    vector = torch.randn(world_size * 37, generator=generator).to(torch.bfloat16)
+    summed = vector.clone()
+    dist.all_reduce(summed)
+    shard = torch.empty(37, dtype=torch.bfloat16)
+    communicator.reduce_scatter(shard, vector)
+    gathered, by_gloo_gathered = torch.empty_like(vector), torch.empty_like(vector)
+    communicator.all_gather(gathered, shard)
+    dist.all_gather_into_tensor(by_gloo_gathered, shard)
+    in_place = torch.zeros_like(vector)
+    in_place.view(world_size, -1)[rank].copy_(shard)
+    communicator.all_gather(in_place, in_place.view(world_size, -1)[rank])  # the input aliases its chunk
+    splits = [0 if peer == rank else 5 + peer for peer in range(world_size)]
+    sent = torch.arange(sum(splits), dtype=torch.uint8) + 10 * rank
+    received = torch.zeros(sum(5 + rank for peer in range(world_size) if peer != rank), dtype=torch.uint8)
+    received_splits = [0 if peer == rank else 5 + rank for peer in range(world_size)]
+    communicator.all_to_all(received, sent, output_split_sizes=received_splits, input_split_sizes=splits)
+    by_gloo_received = torch.zeros_like(received)
+    dist.all_to_all_single(by_gloo_received, sent, output_split_sizes=received_splits, input_split_sizes=splits)
     return dict(mine=mine.tolist(), by_gloo=by_gloo.tolist(), in_rank_order=in_rank_order.tolist(),
-                collectives=[(r.name, r.completed) for r in records], large_equal=bool(torch.equal(large, large_by_gloo)))
+                collectives=[(r.name, r.completed) for r in records], large_equal=bool(torch.equal(large, large_by_gloo)),
+                # bf16 sums of three values may round differently in another order: within an ulp
+                reduce_scatter_close=bool(torch.allclose(shard.float(), summed.view(world_size, -1)[rank].float(),
+                                                         rtol=2 ** -7, atol=0)),
+                all_gather_equal=bool(torch.equal(gathered, by_gloo_gathered) and torch.equal(in_place, gathered)),
+                all_to_all_equal=bool(torch.equal(received, by_gloo_received)))
 
 
-def test_small_all_reduce_is_an_all_gather_and_the_same_sum_on_every_rank():
+def test_gloo_collectives_small_all_reduce_and_point_to_point_rings():
     """A job's statistics (at most SMALL_ALL_REDUCE_NUMEL values) are all-gathered and summed in rank
     order on gloo: half the sequential messages of the ring all-reduce. Every rank gets the same
     bits, the rank-order sum, within an ulp or so of gloo's ring sum (values of different
-    magnitudes make the order visible); larger tensors still take gloo's all-reduce."""
+    magnitudes make the order visible); larger tensors still take gloo's all-reduce. The
+    reduce-scatter, the all-gather (also with the input aliasing its chunk) and the all-to-all run
+    as point-to-point messages on gloo and give what gloo's own collectives give, at three ranks."""
     from distributed_utils import run_distributed
     results = run_distributed(_small_all_reduce_worker, 3)
     first = results[0]
@@ -429,3 +455,20 @@ def test_small_all_reduce_is_an_all_gather_and_the_same_sum_on_every_rank():
         assert result["mine"] == pytest.approx(result["by_gloo"], rel=1e-15)
         assert result["collectives"] == [("all_reduce", True)]  # errors still name the caller's collective
         assert result["large_equal"]
+        assert result["reduce_scatter_close"] and result["all_gather_equal"] and result["all_to_all_equal"]
+
+
+def test_point_to_point_posts_every_receive_before_any_send(monkeypatch):
+    """gloo sends a large message only once the peer announced its receive; posting the receives first
+    keeps that announcement from queueing behind data on a slow link (comm._point_to_point)."""
+    posted = []
+
+    class Handle:
+        def wait(self):
+            posted.append("wait")
+
+    monkeypatch.setattr(comm.dist, "irecv", lambda tensor, src, group: posted.append(("recv", src)) or Handle())
+    monkeypatch.setattr(comm.dist, "isend", lambda tensor, dst, group: posted.append(("send", dst)) or Handle())
+    values = torch.zeros(4)
+    comm._point_to_point([(1, values), (2, values)], [(2, values), (1, values)], group=None)
+    assert posted == [("recv", 2), ("recv", 1), ("send", 1), ("send", 2), "wait", "wait", "wait", "wait"]
