@@ -228,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="", help="output folder (default bench_out/<UTC time>)")
     g.add_argument("--no-progress", action="store_true", help="one line per run instead of progress bars")
     g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--trace", metavar="DIR", default="",
+                   help="rank 0 of every run writes its timeline of the last updates before --updates (the bench's "
+                        "loop, the engine's boundaries and waits, each communication job's phases) to "
+                        "DIR/trace_<method>_rank0.json, a Chrome/Perfetto trace, drawn as DIR/timeline_<method>.png "
+                        "(docs/bench.md, 'Where the time goes')")
     g.add_argument("--replot", metavar="DIR", default="",
                    help="rebuild the tables, CSVs and plots of an earlier output folder from its logs (runs nothing)")
     return p
@@ -270,6 +275,8 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
         out += ["--slow-rank", args.slow_rank]
     if dyn and base == "acco":
         out.append("--dynamic-accumulation")
+    if args.trace:
+        out += ["--trace", os.path.abspath(args.trace)]
     return out
 
 

@@ -302,7 +302,11 @@ def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[di
                    updates_to_target=None if is_compute else r.reached_update, time_to_target_s=ttt,
                    ttt_speedup_vs_zero1=(base_ttt / ttt) if base_ttt and ttt else None,
                    final_update=r.final_update, last_val_loss=None if is_compute else r.last_val[1],
-                   eval_s=max(s.get("eval_s", 0.0) for s in r.summaries.values()))
+                   eval_s=max(s.get("eval_s", 0.0) for s in r.summaries.values()),
+                   warmup_sync_updates=r._first.get("warmup_sync_updates") or 0,
+                   breakdown=[dict(rank=rank, **s["breakdown_ms"]) for rank, s in sorted(r.summaries.items())
+                              if s.get("breakdown_ms")],
+                   job_ms=r._first.get("job_ms"))
         out.append(row)
     return out
 
@@ -522,11 +526,13 @@ def probe_round_bits(method: str, n_params: int, world_size: int, precision: str
 
 
 def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Optional[int] = None,
-                  gap_penalty=None) -> Optional[float]:
+                  gap_penalty=None, *, sync_updates: int = 0, updates: int = 0) -> Optional[float]:
     """Lower bound on the per-update time: overlapped methods max(T_compute, k T_comm) (ACCO k = 2,
     DPU 1, CO2 1/H: the inner steps its averaging must fit in, :func:`methods.co2_overlap_steps`);
     the others T_compute + T_comm. ``local_steps``, ``gap_penalty``: --local-steps, --gap-penalty
-    (None: the engine's default)."""
+    (None: the engine's default). An overlapped method whose first ``sync_updates`` of ``updates``
+    updates were synchronous (``warmup_sync_updates``) is bounded by the mean over them: those
+    updates pay T_compute + T_comm."""
     variant = None if method == "compute" else parse_variant(method)
     spec = METHODS["compute"] if variant is None else variant.method
     if spec.optimizer is None:
@@ -537,7 +543,11 @@ def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Opt
         k = 1.0 / max(co2_overlap_steps(method, local_steps, gap_penalty), 1)
     else:
         k = spec.comm_jobs
-    return max(t_compute, k * t_comm)
+    overlapped = max(t_compute, k * t_comm)
+    synchronous = min(max(sync_updates, 0), updates) if updates > 0 else 0
+    if not synchronous:
+        return overlapped
+    return (synchronous * (t_compute + t_comm) + (updates - synchronous) * overlapped) / updates
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 from typing import List, Optional
 
 from . import netns
+from .breakdown import breakdown_lines
 from .methods import BASELINE, co2_overlap_steps, parse_variant, resolve_methods
 
 
@@ -149,6 +150,7 @@ def finish(args, out, results, failed, meta, rates) -> None:
         theory = _regime_lines(rows, meta.get("auto_bandwidth"), label)
         theory += _theory_lines(args, rows, compute, n_params, measured, probe, nodes)
         theory += _noise_lines(rows)
+        theory += breakdown_lines(rows)
         md += parts + theory + [""]
         print("\n" + "\n".join(p.rstrip("\n") for p in parts) + "\n" + "\n".join(theory))
         base = next((r for r in rows if r["method"] == BASELINE), None)
@@ -158,7 +160,8 @@ def finish(args, out, results, failed, meta, rates) -> None:
                 if r["method"] in ("compute", BASELINE):
                     continue
                 t_comm = report.method_comm_seconds(r["method"], n_params, world, measured, args.precision, nodes)
-                b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty)
+                b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty,
+                                         sync_updates=r.get("warmup_sync_updates") or 0, updates=r["updates"])
                 sweep_points.append(dict(method=r["method"], link_bps=measured, speedup=r["speedup_vs_zero1"],
                                          ttt_speedup=r["ttt_speedup_vs_zero1"],
                                          bound_speedup=(base["ms_per_update"] / 1000.0) / b if b else None))
@@ -297,12 +300,15 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[d
         if r["method"] == "compute":
             continue
         t_comm = report.method_comm_seconds(r["method"], n_params, world, measured_bps, args.precision, nodes)
-        b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty)
+        sync = dict(sync_updates=r.get("warmup_sync_updates") or 0, updates=r["updates"])
+        b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty, **sync)
         line = (f"- {r['label']} ({r['comm']}): {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
-                f"({r['ms_per_update'] / (1000 * b):.2f}x the bound; T_comm {1000 * t_comm:.0f} ms)")
+                f"({r['ms_per_update'] / (1000 * b):.2f}x the bound; T_comm {1000 * t_comm:.0f} ms"
+                + (f"; its first {sync['sync_updates']} of {sync['updates']} updates synchronous, bounded by "
+                   f"T_compute + T_comm" if sync["sync_updates"] else "") + ")")
         real = report.probe_round_seconds(probe, r["method"], args.precision) if probe else None
         if real is not None:
-            br = report.bound_seconds(r["method"], t_comp, real, args.local_steps, args.gap_penalty)
+            br = report.bound_seconds(r["method"], t_comp, real, args.local_steps, args.gap_penalty, **sync)
             line += f"; {1000 * br:.0f} ms with the measured round ({r['ms_per_update'] / (1000 * br):.2f}x)"
         lines.append(line)
     return lines

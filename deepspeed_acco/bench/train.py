@@ -18,10 +18,10 @@
    loss, so every rank takes the same decision to stop. The copy is taken right after the step that
    committed the update, under ``engine.committed_parameters(wait=False)``: the parameters that
    have landed, without waiting for the job in flight, so evaluation never changes when a method
-   communicates. The clock is paused while the parameters are copied (``snapshot_s``) and
-   evaluated (``eval_s``), except for the part of the pause during which a communication job was
-   still running (``eval_comm_s``, charged to the clock: a run without evaluation would have had to
-   wait for or overlap that communication on the clock);
+   communicates. The clock is paused while the job in flight finishes alone (``eval_comm_s``), the
+   parameters are copied (``snapshot_s``) and evaluated (``eval_s``); what the job needed then
+   becomes a deadline after the pause that the next boundary waits for if it comes sooner, the wait
+   a run without evaluation would have had (:func:`finish_job_in_flight`);
 5. stops after ``--updates`` committed updates (the equal-samples point), or, with
    ``--target-loss``, at the first evaluation at or past ``--updates`` whose loss is at or below the
    target, and at ``--max-updates`` at the latest. The LR schedule's horizon is ``--updates`` for
@@ -31,7 +31,7 @@
 
 Wall-clock excludes process start-up and ``initialize`` (reported separately as ``init_s``);
 ``process_wall_s`` (start of this worker to the end of training) = ``init_s`` + ``final_wall_s`` +
-``snapshot_s`` + ``eval_s`` - ``eval_comm_s``, which a test checks. A
+``eval_comm_s`` + ``snapshot_s`` + ``eval_s``, which a test checks. A
 config that the engine refuses (``ValueError``) is written to ``DIR/error.txt`` for the bench to
 report.
 """
@@ -111,6 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", default="", metavar="DIR",
                    help="continue from the latest checkpoint in DIR, at this run's world size (the optimizer "
                         "state is re-sharded when it differs)")
+    p.add_argument("--trace", default="", metavar="DIR",
+                   help="rank 0 writes its timeline of the last updates before --updates to DIR (Chrome trace)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.max_updates = max(args.max_updates, args.updates) if args.target_loss is not None else args.updates
@@ -228,40 +230,23 @@ def _snapshot(engine):
         return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
 
 
-class _JobWatch:
-    """While the clock is paused, notes when the communication job that was in flight finishes: that
-    part of the pause is communication a run without evaluation would have had to do on the clock,
-    so it goes back on the clock (the job keeps running; nothing waits for it)."""
+def finish_job_in_flight(engine, poll_s: float = 5e-4) -> float:
+    """Seconds until the communication job in flight (if any) is done; nothing else runs meanwhile.
 
-    POLL_S = 0.002
+    Called when the clock stops for an evaluation: the job then finishes alone, as fast as it would
+    have next to the training's compute, before the evaluation takes the cores. Those seconds are
+    what the job still needed; a run without evaluation would have computed on meanwhile and waited
+    only for what was left at its next boundary, which is where the training loop waits them out
+    after the pause (docs/bench.md, "The clock")."""
+    def in_flight() -> bool:
+        return bool(getattr(engine, "communication_in_flight", False))
 
-    def __init__(self, engine):
-        import threading
-        self.start = time.perf_counter()
-        self.done_at = None
-        self._in_flight = lambda: bool(getattr(engine, "communication_in_flight", False))
-        self._stop = threading.Event()
-        self._thread = None
-        if self._in_flight():
-            self._thread = threading.Thread(target=self._watch, name="bench-job-watch", daemon=True)
-            self._thread.start()
-        else:
-            self.done_at = self.start
-
-    def _watch(self):
-        while not self._stop.is_set():
-            if not self._in_flight():
-                self.done_at = time.perf_counter()
-                return
-            self._stop.wait(self.POLL_S)
-
-    def overlap_s(self) -> float:
-        """Seconds of the pause so far during which the job ran (the watch ends here)."""
-        now = time.perf_counter()
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        return (self.done_at if self.done_at is not None else now) - self.start
+    if not in_flight():
+        return 0.0
+    start = time.perf_counter()
+    while in_flight():
+        time.sleep(poll_s)
+    return time.perf_counter() - start
 
 
 def evaluate(model, windows, batch_size: int) -> float:
@@ -314,6 +299,7 @@ def run(args) -> dict:
     import torch
     import torch.distributed as dist
 
+    from .breakdown import TRACE_UPDATES, LoopClock, engine_kind, job_summary_ms, per_update_ms
     from .data import WindowSampler, load_corpus, validation_windows
     from .methods import BETA2, ds_config
     from .models import build_model, count_parameters
@@ -381,31 +367,35 @@ def run(args) -> dict:
     train_batch_size = args.micro_batch * args.grad_accum * world
 
     # The clock stops only for what a run without evaluation would not do: copying the committed
-    # parameters (snapshot_s) and evaluating them (eval_s). A communication job in flight keeps
-    # running meanwhile; the part of the pause it ran for is charged back (eval_comm_s), so no
-    # method gets communication off the clock.
+    # parameters (snapshot_s) and evaluating them (eval_s). A communication job in flight finishes
+    # first, alone; the seconds it still needed (eval_comm_s) run on after the pause as a deadline
+    # that the next boundary's step() waits for if it comes sooner: the wait a run without
+    # evaluation would have had. No method gets communication off the clock.
     val, snapshot_s, eval_s, eval_comm_s, landed_waits = {}, 0.0, 0.0, 0.0, 0
+    due_after_eval = None  # perf_counter time before which the next boundary's step() must not come
+    clock = LoopClock(engine, engine_kind(engine))
 
     def validate(update):
-        nonlocal snapshot_s, eval_s, eval_comm_s, landed_waits
+        nonlocal snapshot_s, eval_s, eval_comm_s, landed_waits, due_after_eval
+        ts = time.perf_counter()
+        needed = finish_job_in_flight(engine)
+        tj = time.perf_counter()
         try:
-            watch = _JobWatch(engine)
-            ts = time.perf_counter()
             state = _snapshot(engine)
         except LookupError:  # not at a commit (cannot happen in this loop): wait on the clock, then copy
-            watch.overlap_s()  # ends that watch; the wait below is training time, on the clock
             landed_waits += 1
             with engine.committed_parameters():  # drains and installs the newest commit
-                watch = _JobWatch(engine)
-                ts = time.perf_counter()
                 state = {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
         te = time.perf_counter()
         val[update] = validator(state)
-        overlap = watch.overlap_s()
         tf = time.perf_counter()
-        snapshot_s += te - ts
+        snapshot_s += te - tj
         eval_s += tf - te
-        eval_comm_s += min(max(overlap, 0.0), tf - ts)
+        eval_comm_s += needed
+        clock.timeline.add("bench loop", "job finishing (clock paused)", ts, tj)
+        clock.timeline.add("bench loop", "evaluation (clock paused)", tj, tf)
+        if needed > 0.0:
+            due_after_eval = tf + needed
 
     log = open(os.path.join(args.run_dir, f"rank{rank}.jsonl"), "w", buffering=1)
     if dist.is_initialized():
@@ -423,22 +413,34 @@ def run(args) -> dict:
         reached_update, reached_wall = start_update, 0.0
 
     def paused() -> float:
-        return snapshot_s + eval_s - eval_comm_s
+        return snapshot_s + eval_s + eval_comm_s
 
+    trace_from = max(start_update, args.updates - TRACE_UPDATES) if args.trace and rank == 0 else None
+    if trace_from == start_update:
+        clock.start_trace()
+    breakdown_at_updates, jobs_at_updates = None, None
     while True:
         x = torch.from_numpy(sampler.micro_batch_at(micro)).to(device)
         micro += 1
         tc = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
+        with clock.call("forward"):
+            loss = engine(input_ids=x, labels=x).loss
         if slow_factor > 1.0:
             # A slower accelerator: forward + backward ~ 3 x forward, so sleep (F - 1) x 3 x forward time.
             # Sleeping (not spinning) idles the host like a slow device would; measured on the forward
             # alone because DeepSpeed's backward also runs its gradient all-reduce.
             extra = (slow_factor - 1.0) * 3.0 * (time.perf_counter() - tc)
-            time.sleep(extra)
+            with clock.call("slow"):
+                time.sleep(extra)
             slow_s += extra
-        engine.backward(loss)
-        engine.step()
+        with clock.call("backward"):
+            engine.backward(loss)
+        if due_after_eval is not None and engine.is_gradient_accumulation_boundary():
+            with clock.call("debt"):
+                time.sleep(max(0.0, due_after_eval - time.perf_counter()))
+            due_after_eval = None
+        with clock.call("step"):
+            engine.step()
         losses.append(float(loss.detach()))
         if engine.global_steps == committed:
             continue
@@ -458,6 +460,12 @@ def run(args) -> dict:
         if committed == args.updates:
             wall_at_updates, cpu_at_updates, sys_at_updates = wall, time.process_time() - cpu0, _system_cpu()
             paused_at_updates = paused()
+            breakdown_at_updates, jobs_at_updates = clock.parts(wall), clock.job_phases()
+            if trace_from is not None:
+                _write_trace(args, clock)
+                trace_from = None
+        elif committed == trace_from:
+            clock.start_trace()
         if validator is not None and is_eval_update(committed, args.eval_every, args.updates):
             validate(committed)
             if target is not None and reached_update is None and val[committed] <= target:
@@ -483,6 +491,8 @@ def run(args) -> dict:
     # covers the same span as the wall-clock it qualifies.
     if wall_at_updates is None:
         wall_at_updates, cpu_at_updates, sys_at_updates, paused_at_updates = final_wall, cpu_s, sys1, paused()
+        breakdown_at_updates, jobs_at_updates = clock.parts(final_wall), clock.job_phases()
+    breakdown_updates = max(1, at_updates - start_update)
     summary = dict(method=args.method, rank=rank, node=node, world_size=world, updates=at_updates,
                    final_update=committed, micro_batches=micro,
                    samples=engine_samples if args.dynamic_accumulation else at_updates * train_batch_size,
@@ -500,7 +510,10 @@ def run(args) -> dict:
                    machine_steal_s=None if sys0 is None or sys_at_updates is None else sys_at_updates[1] - sys0[1],
                    n_params=n_params, slow_factor=slow_factor, engine=type(engine).__name__,
                    val_windows=args.val_windows, val={str(k): v for k, v in sorted(val.items())},
-                   corpus=corpus.describe(), torch_threads=torch.get_num_threads())
+                   corpus=corpus.describe(), torch_threads=torch.get_num_threads(),
+                   breakdown_ms=per_update_ms(breakdown_at_updates, breakdown_updates),
+                   job_ms=job_summary_ms(jobs_at_updates or {}),
+                   warmup_sync_updates=getattr(getattr(engine, "schedule", None), "warmup_sync_updates", None))
     from .memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
     summary["memory"] = engine_memory(engine)
     with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
@@ -509,6 +522,14 @@ def run(args) -> dict:
         dist.barrier()
         dist.destroy_process_group()
     return summary
+
+
+def _write_trace(args, clock) -> None:
+    """Rank 0's timeline of the last updates (``--trace``) as a Chrome/Perfetto trace file."""
+    os.makedirs(args.trace, exist_ok=True)
+    path = os.path.join(args.trace, f"trace_{args.method}_rank0.json")
+    with open(path, "w") as f:
+        json.dump(clock.trace(f"{args.method} rank 0"), f)
 
 
 def _write_failure(run_dir: str, exc: BaseException) -> None:

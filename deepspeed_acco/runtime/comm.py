@@ -144,6 +144,7 @@ class PhaseClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._phases: List[tuple] = []
+        self._spans: List[tuple] = []
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -157,7 +158,9 @@ class PhaseClock:
         else:
             started = time.perf_counter()
             yield
-            self._phases.append((name, time.perf_counter() - started))
+            ended = time.perf_counter()
+            self._phases.append((name, ended - started))
+            self._spans.append((name, started, ended))
 
     def record(self, name: str, seconds: float) -> None:
         """A duration measured otherwise (the CPU worker's thread time)."""
@@ -169,6 +172,12 @@ class PhaseClock:
             value = measured[0].elapsed_time(measured[1]) / 1e3 if len(measured) == 2 else measured[0]
             totals[name] = totals.get(name, 0.0) + value
         return totals
+
+    def spans(self) -> List[tuple]:
+        """``(name, start, end)`` of each phase on ``time.perf_counter``'s clock (CPU jobs; empty on CUDA,
+        whose phases are device events): what the training thread's waits are split by
+        (runtime/timeline.py)."""
+        return list(self._spans)
 
 
 class DeviceReadback:
@@ -219,6 +228,9 @@ class Work:
         """The collectives the job has issued so far, oldest first (for the hang check)."""
         self._lane = lane
         self._job: Optional[Callable[[], Any]] = job
+        self.submitted_at = time.perf_counter()
+        self.counted = False
+        """Whether a schedule has counted this job's phases (runtime/timeline.py counts each job once)."""
         self._finished = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
@@ -226,6 +238,10 @@ class Work:
         self._done_event: Optional[torch.cuda.Event] = None
         self._resolved = False
         self._value: Any = None
+        self.phase_spans: List[tuple] = []
+        """Once waited: the job's phases as ``(name, start, end)`` (CPU; :meth:`PhaseClock.spans`)."""
+        self.phase_seconds: Dict[str, float] = {}
+        """Once waited: the job's phase durations (:meth:`PhaseClock.seconds`)."""
 
     def _finish(self, result: Any = None, error: Optional[BaseException] = None,
                 done_event: Optional[torch.cuda.Event] = None) -> None:
@@ -271,6 +287,9 @@ class Work:
                 delay = min(2 * delay, _EVENT_POLL_MAX_S)
             torch.cuda.current_stream(self._lane.device).wait_event(self._done_event)
         result = self._result
+        if isinstance(result, DeviceReadback) and result.clock is not None:
+            self.phase_spans = result.clock.spans()
+            self.phase_seconds = result.clock.seconds()
         self._value = result.finish() if isinstance(result, DeviceReadback) else result
         self._resolved = True
         self._job = None
@@ -284,6 +303,8 @@ class CompletedWork:
     def __init__(self, label: str, result: Any):
         self.label = label
         self._result = result
+        self.phase_spans: List[tuple] = []
+        self.phase_seconds: Dict[str, float] = {}
 
     def is_done(self) -> bool:
         return True

@@ -157,6 +157,18 @@ class AccoEngine(DeepSpeedEngine):
         """Cumulative seconds the training thread spent blocked waiting for communication jobs."""
         return self.schedule.total_wait_s
 
+    def time_breakdown(self) -> Dict[str, float]:
+        """Cumulative seconds of this rank's training thread, per part: ``compute`` (forward and
+        backward), ``blocked`` (waiting for communication), ``optimizer`` (waiting for a job's shard
+        update), ``boundary`` (the rest of the round boundaries); docs/design.md, "Where the time goes"."""
+        return self.schedule.time.snapshot()
+
+    @property
+    def timeline(self):
+        """The training thread's and the jobs' events while recording (``engine.timeline.start()``;
+        ``deepspeed_acco.runtime.timeline.chrome_trace`` writes them as a Chrome/Perfetto trace)."""
+        return self.schedule.time.timeline
+
     def wire_bytes_per_job(self) -> Dict[str, int]:
         """Bytes this rank sends per update job (CO2: per outer averaging job), by collective:
         ``{"reduce_scatter": ..., "all_gather": ...}``, with or without compression (docs/design.md, 3.7)."""
@@ -170,7 +182,10 @@ class AccoEngine(DeepSpeedEngine):
     # ---- the training loop -----------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self._check_healthy()
-        return self.module(*inputs, **kwargs)
+        if not torch.is_grad_enabled():  # an evaluation: not part of training's time
+            return self.module(*inputs, **kwargs)
+        with self.schedule.time.timed("compute", "forward"):
+            return self.module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` and add the gradients to this round's fp32 accumulation buffers.
@@ -190,11 +205,12 @@ class AccoEngine(DeepSpeedEngine):
         if self._caller_boundary is not None:
             self._check_room_for_micro_batch()
         scale = self.schedule.backward_loss_scale()
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         accumulation = self.engine_config.batch.gradient_accumulation_steps
         multiplier = 1.0 if scale_wrt_gas else float(accumulation)
-        for flat in self.optimizer.flats:
-            flat.accumulate_grads(multiplier)
+        with self.schedule.time.timed("compute", "backward"):
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            for flat in self.optimizer.flats:
+                flat.accumulate_grads(multiplier)
         self._losses.append(loss.detach() * multiplier)
         if self._caller_boundary is not None:
             self._guard(self._caller_micro_batch_done)

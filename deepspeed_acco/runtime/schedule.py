@@ -31,6 +31,7 @@ from .jobs import ADAMW, JobKind, JobResult, ShardState, ShardUpdateJob, UpdateR
 from .loss_scale import LossScale
 from .optimizer import ShardedOptimizer
 from .progress import Progress
+from .timeline import TimeBreakdown
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
@@ -193,6 +194,9 @@ class Schedule:
         self.recent_wait_s = collections.deque(maxlen=_RECENT_WAITS)
         """Blocked seconds of each recent boundary (one entry per boundary)."""
         self._boundary_wait_s = 0.0
+        self.time = TimeBreakdown()
+        """Where the training thread's time goes (runtime/timeline.py): the engine counts forward and
+        backward, the schedule its waits and boundaries."""
         self.on_commit: Optional[Callable[[JobResult], None]] = None
         """Called after each commit's accounting (the engine's logging and monitors)."""
         self.compression: Optional[List[GroupCompression]] = group_compressions(
@@ -297,10 +301,13 @@ class Schedule:
     def end_round(self) -> None:
         """Run the boundary now, whatever the round's length: wait, install, launch."""
         self._boundary_wait_s = 0.0
+        started = time.perf_counter()
         if self.in_sync_update and self.running is None:
             self._sync_boundary()
         else:
             self.boundary()
+        self.time.add("boundary", started, time.perf_counter() - self._boundary_wait_s, "boundary",
+                      phase=self.phase.value, jobs_launched=self.jobs_launched)
         self.total_wait_s += self._boundary_wait_s
         self.recent_wait_s.append(self._boundary_wait_s)
         self.round_micro_batches = 0
@@ -405,10 +412,20 @@ class Schedule:
             compression.reset()
 
     # ---- building blocks for the types -----------------------------------------------------
-    def _wait(self, work: Work):
+    def _wait(self, work: Work, synchronous: bool = False):
+        """Wait for ``work``; its time counts as this boundary's wait, split into blocked and optimizer
+        time by the job's phases (``synchronous``: launched to be waited at once; runtime/timeline.py)."""
+        first = not getattr(work, "counted", True)
         start = time.perf_counter()
         result = work.wait()
-        self._boundary_wait_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self._boundary_wait_s += end - start
+        phases = getattr(work, "phase_seconds", {})
+        self.time.wait(start, end, work.label, getattr(work, "phase_spans", ()), update_s=phases.get("update", 0.0),
+                       synchronous=synchronous, phases=phases if first else None,
+                       submitted_at=getattr(work, "submitted_at", None))
+        if first:
+            work.counted = True
         return result
 
     def _wait_running(self):
@@ -425,12 +442,12 @@ class Schedule:
         work = self.lane.submit(job, communicator, label=label)
         self.jobs_launched += 1
         if wait:
-            self._wait(work)
+            self._wait(work, synchronous=True)
             return work
         if not self.overlap:
             # Same math, no overlap: the job completes now; its result is still installed at the
             # same point of the schedule as with overlap.
-            self._wait(work)
+            self._wait(work, synchronous=True)
         self.running = work
         self.running_kind = kind
         return work
