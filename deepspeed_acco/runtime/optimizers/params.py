@@ -139,7 +139,7 @@ class WarmupParams:
     own rule takes over after them from the committed parameters, without a restart (optimizer
     state, step count and LR schedule carry on). 0: no warm-up. "auto" (the default for DPU and
     ACCO): N from the LR scheduler when the engine is built (docs/design.md, 3.8;
-    :mod:`deepspeed_acco.runtime.optimizers.warmup`)."""
+    :mod:`deepspeed_acco.runtime.warmup`)."""
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -170,7 +170,7 @@ class CooldownParams:
             if after < 1:
                 raise config_error(f"{prefix}.sync_after_updates", f"must be >= 1, got {after}",
                                    "use null for the type's own rule to the end")
-            return  # "auto" resolves below it (deepspeed_acco.runtime.optimizers.warmup)
+            return  # "auto" resolves below it (deepspeed_acco.runtime.warmup)
         if after <= warmup:
             raise config_error(f"{prefix}.sync_after_updates", f"must be greater than warmup_sync_updates "
                                f"({warmup}), got {after}", "use null for the type's own rule to the end, or the "
