@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from . import netns
+from .runs import Network, worker_args
 
 KINDS = ("link-down", "flap", "node-kill")
 # A rank must have exited within communication_timeout_s + EXIT_GRACE_S of the fault. The grace
@@ -419,7 +420,6 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
     global batch: ``accumulation`` micro-batches per rank, :func:`recovery_accumulation`) up to
     ``--updates``; compare with the undisturbed run."""
     import copy
-    from .__main__ import Network, worker_args
     from .jobs import run_job
     save_dir = os.path.join(run_dir, "checkpoints")
     record = checkpoint_record(save_dir)
@@ -459,7 +459,6 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
 
 def run_fault_bench(args, methods: List[str], out: str, command: str, machine: dict) -> int:
     """Run every method with ``args.fault`` on a fresh emulated cluster each; write faults.json/.md in ``out``."""
-    from .__main__ import Network, worker_args
     from .jobs import run_job
     from .methods import parse_variant
     fault = check_fault_args(args, methods)
