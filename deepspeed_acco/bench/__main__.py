@@ -24,6 +24,7 @@ import time
 from typing import Dict, List, Optional
 
 from . import netns
+from .faults import check_fault_args, run_fault_bench
 from .jobs import Placement, probe_comm, run_job
 from .methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
 from .models import DEFAULT_PRESET, PRESETS
@@ -313,6 +314,15 @@ def check_args(args, methods: List[str]) -> None:
                              f"{args.ranks_per_node} rank(s))")
     if args.nodes > netns.MAX_NODES:
         raise SystemExit(f"--nodes: at most {netns.MAX_NODES} emulated nodes, got {args.nodes}")
+    try:
+        for text in [args.bandwidth] + args.sweep_bandwidth.split(","):
+            if text.strip() and text != "auto":
+                netns.parse_bandwidth(text)
+    except ValueError as exc:
+        raise SystemExit(f"--bandwidth/--sweep-bandwidth: {exc}")
+    if args.bandwidth == "auto" and not args.sweep_bandwidth and args.no_compute_only and not args.fault:
+        raise SystemExit("--bandwidth auto derives the link rate from the compute-only run: drop --no-compute-only "
+                         "or give a rate (e.g. --bandwidth 300mbit)")
     if args.target_loss == "auto" and BASELINE not in methods:
         raise SystemExit(f"--target-loss auto is DeepSpeed ZeRO-1's validation loss after --updates: add {BASELINE} "
                          f"to --methods, give a loss value, or pass --target-loss none")
@@ -476,11 +486,14 @@ class _Estimate:
                   + ", ".join(flags) + ", or --model tiny for a quick look", flush=True)
 
 
-def main(argv=None) -> int:
+def parse_command(argv=None):
+    """``(args, methods)`` of one invocation, after every check :func:`main` makes of its options before
+    anything runs (SystemExit naming the flag and the fix). Nothing runs and the machine is not
+    examined (:func:`require_network` does that): tests/test_docs_commands.py parses the documents'
+    commands with it."""
     args = build_parser().parse_args(argv)
     if args.replot:
-        return replot(os.path.abspath(args.replot))
-    _install_sigterm()
+        return args, []
     methods = resolve_methods(args.methods)
     if not methods and args.no_compute_only:
         raise SystemExit("nothing to run: --methods is empty and --no-compute-only is set")
@@ -488,8 +501,29 @@ def main(argv=None) -> int:
         args.target_loss = None
     check_args(args, methods)
     if args.fault:
-        from .faults import check_fault_args, run_fault_bench
         check_fault_args(args, methods)
+    return args, methods
+
+
+def require_network(args, host: Optional[netns.Host] = None) -> bool:
+    """Whether nodes and shaped links can be emulated here (:func:`netns.shaping_problem`). When they
+    cannot, stop with the fix, unless ``--bandwidth none`` was given: then the run goes on unshaped."""
+    problem = netns.shaping_problem(host)
+    if problem is None:
+        return True
+    if args.fault or args.bandwidth != "none" or args.sweep_bandwidth:
+        raise SystemExit(f"python -m deepspeed_acco.bench emulates nodes joined by shaped links (docs/bench.md, "
+                         f"\"What it needs\"), and cannot here: {problem}")
+    return False
+
+
+def main(argv=None) -> int:
+    args, methods = parse_command(argv)
+    if args.replot:
+        return replot(os.path.abspath(args.replot))
+    _install_sigterm()
+    shaping_ok = require_network(args)
+    if args.fault:
         netns.remove_orphans()
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         out = os.path.abspath(args.out or os.path.join("bench_out", stamp))
@@ -504,20 +538,12 @@ def main(argv=None) -> int:
 
     precision_why = args.precision_why
     auto_rate = args.bandwidth == "auto" and not args.sweep_bandwidth
-    shaping_ok, why = netns.supported()
-    if auto_rate and args.no_compute_only and shaping_ok:
-        raise SystemExit("--bandwidth auto derives the link rate from the compute-only run: drop --no-compute-only "
-                         "or give a rate (e.g. --bandwidth 300mbit)")
-    try:
-        rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
-            if args.sweep_bandwidth else [AUTO_RATE if auto_rate else netns.parse_bandwidth(args.bandwidth)]
-    except ValueError as exc:
-        raise SystemExit(f"--bandwidth/--sweep-bandwidth: {exc}")
-    if not shaping_ok and (args.nodes > 1 or any(r is not None for r in rates)):
-        print(f"WARNING: cannot emulate nodes or slow links here ({why}); running all "
-              f"{args.nodes * args.ranks_per_node} ranks UNSHAPED over the host loopback. The timings then show "
-              f"compute overheads only, not the network.", flush=True)
-        rates = [None]
+    rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
+        if args.sweep_bandwidth else [AUTO_RATE if auto_rate else netns.parse_bandwidth(args.bandwidth)]
+    if not shaping_ok and args.nodes > 1:
+        print(f"WARNING: --bandwidth none, and no emulated nodes here; running all {args.nodes * args.ranks_per_node} "
+              f"ranks over the host loopback, so the timings show compute overheads only, not the network.",
+              flush=True)
     if shaping_ok:
         orphans = netns.remove_orphans()
         if orphans:

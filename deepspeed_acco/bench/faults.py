@@ -279,7 +279,8 @@ def wait_for_no_processes(run_dir: str, seconds: float = 10.0) -> None:
 
 
 def check_fault_args(args, methods: List[str]) -> Fault:
-    """Refuse what a fault run cannot do (SystemExit naming the flag and the fix)."""
+    """Refuse what a fault run cannot do (SystemExit naming the flag and the fix); whether this machine can
+    emulate nodes at all is the bench's check (``__main__.require_network``)."""
     from .methods import parse_variant
     try:
         fault = parse_fault(args.fault)
@@ -303,9 +304,6 @@ def check_fault_args(args, methods: List[str]) -> Fault:
                          f"({args.communication_timeout_s:g}), or it is a link loss")
     if args.recover:
         recovery_accumulation(args, fault, methods)
-    ok, why = netns.supported()
-    if not ok:
-        raise SystemExit(f"--fault needs emulated nodes (network namespaces): {why}")
     return fault
 
 
