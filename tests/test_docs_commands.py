@@ -48,7 +48,8 @@ SHELL_BLOCKS = ("", "bash", "sh", "shell", "console")
 ENVIRONMENT = re.compile(r"""^(?:[A-Za-z_][A-Za-z0-9_]*=(?:"[^"]*"|'[^']*'|\S*)\s+)+""")
 """Leading variable assignments (``SIZES=4M bash ...``)."""
 PLACEHOLDER = re.compile(r"\.\.\.|^[\[<]|[\]>]$|^[A-Z][A-Z0-9_]*(@[A-Z0-9]+)?(\.[a-z]+)?$")
-"""A word the reader replaces: ``SCRIPT``, ``KIND@U``, ``PROBE.json``, ``ARGS...``, ``[--tag T]``, ``<node address>``."""
+"""A word the reader replaces: ``SCRIPT``, ``KIND@U``, ``PROBE.json``, ``ARGS...``, ``[--tag T]``,
+``<node address>``."""
 INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")
 
 

@@ -124,8 +124,8 @@ def _static_problem(host: Host) -> Optional[Tuple[str, str]]:
                 "started with --privileged")
     for tool in ("ip", "tc"):
         if host.which(tool) is None:
-            return (f"'{tool}' (iproute2) is not installed",
-                    "install iproute2 (Debian/Ubuntu: apt-get install iproute2; Fedora: dnf install iproute iproute-tc)")
+            return (f"'{tool}' (iproute2) is not installed", "install iproute2 (Debian/Ubuntu: apt-get install "
+                    "iproute2; Fedora: dnf install iproute iproute-tc)")
     return None
 
 
