@@ -6,11 +6,11 @@ launch line registers our optimizer types in DeepSpeed by running the script thr
 ``deepspeed_acco.run``:
 
     deepspeed --num_gpus 2 --module deepspeed_acco.run examples/hf_trainer.py \\
-        --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco
+        --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco --gradient_accumulation_steps 2
     torchrun --nproc_per_node 2 -m deepspeed_acco.run examples/hf_trainer.py \\
-        --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco
+        --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco --gradient_accumulation_steps 2
     accelerate launch --use_deepspeed --num_processes 2 -m deepspeed_acco.run examples/hf_trainer.py \\
-        --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco
+        --deepspeed examples/configs/hf_acco.json --output_dir runs/hf_acco --gradient_accumulation_steps 2
 
 (``import deepspeed_acco`` at the top of the script does the same as ``deepspeed_acco.run``.) Every
 ``TrainingArguments`` flag works (``--max_steps``, ``--eval_steps``, ``--save_steps``,

@@ -340,6 +340,58 @@ def test_package_import_is_light():
 
 
 # ----------------------------------------------------------------------------------------------
+# What the bench needs of the machine (docs/bench.md, "What it needs"), with a fake machine
+
+
+def _failing(message):
+    def build():
+        raise RuntimeError(message)
+    return build
+
+
+@pytest.mark.parametrize("host, words", [
+    (dict(platform="darwin"), ["need Linux", "Linux machine"]),
+    (dict(euid=lambda: 1000), ["needs root", "sudo .venv/bin/python -m deepspeed_acco.bench", "--privileged"]),
+    (dict(which=lambda tool: None if tool == "tc" else "/usr/sbin/" + tool), ["'tc' (iproute2)",
+                                                                             "apt-get install iproute2"]),
+    (dict(try_cluster=_failing("ip netns add acco-9-0-sw failed: mount --make-shared /run/netns failed: "
+                               "Operation not permitted")), ["cannot create network namespaces", "--privileged",
+                                                             "Operation not permitted"]),
+    (dict(try_cluster=_failing("ip -n acco-9-0-n0 link add a9n0 type veth peer name a9s0 netns acco-9-0-sw failed: "
+                               "Error: Unknown device type.")), ["veth pairs", "modprobe veth"]),
+    (dict(try_cluster=_failing("tc -n acco-9-0-n0 qdisc add dev a9n0 root tbf rate 1000000000bit burst 500000 latency "
+                               "50ms failed: Error: Specified qdisc kind is unknown.")), ["no tbf qdisc",
+                                                                                        "modprobe sch_tbf"]),
+])
+def test_the_bench_stops_with_the_fix_when_it_cannot_shape_links(host, words):
+    from deepspeed_acco.bench.__main__ import parse_command, require_network
+    fake = netns.Host(**{"try_cluster": lambda: None, "euid": lambda: 0, "platform": "linux",
+                         "which": lambda tool: "/usr/sbin/" + tool, **host})
+    for argv in ([], ["--bandwidth", "300mbit"], ["--sweep-bandwidth", "100mbit,1gbit"],
+                 ["--bandwidth", "none", "--sweep-bandwidth", "1gbit"],
+                 ["--bandwidth", "none", "--fault", "link-down@2", "--methods", "acco", "--updates", "4"]):
+        args, _ = parse_command(argv)
+        with pytest.raises(SystemExit) as stopped:
+            require_network(args, fake)
+        for word in words + ["--bandwidth none to run without the emulated network"]:
+            assert word in str(stopped.value), (argv, str(stopped.value))
+    # Only an explicit --bandwidth none runs on, unshaped.
+    for argv in (["--bandwidth", "none"], ["--bandwidth", "none", "--nodes", "1", "--ranks-per-node", "2"]):
+        assert require_network(parse_command(argv)[0], fake) is False
+
+
+def test_the_bench_runs_where_a_trial_cluster_builds():
+    from deepspeed_acco.bench.__main__ import parse_command, require_network
+    built = []
+    fake = netns.Host(platform="linux", euid=lambda: 0, which=lambda tool: "/usr/sbin/" + tool,
+                      try_cluster=lambda: built.append(True))
+    assert require_network(parse_command([])[0], fake) is True and built == [True]
+    assert netns.shaping_problem(netns.Host(platform="linux", euid=lambda: 1000, which=lambda tool: None,
+                                            try_cluster=lambda: built.append(False))).startswith("creating network")
+    assert built == [True], "the trial cluster is built only after root and the tools are found"
+
+
+# ----------------------------------------------------------------------------------------------
 # The namespace code path (needs root and iproute2)
 
 needs_netns = pytest.mark.skipif(not netns.supported()[0], reason=f"no shaped namespaces here: {netns.supported()[1]}")
@@ -352,6 +404,13 @@ def _all_namespaces():
 
 def _our_namespaces():
     return [n for n in _all_namespaces() if n.startswith("acco-")]
+
+
+@needs_netns
+def test_the_trial_cluster_of_the_check_leaves_nothing():
+    before = _our_namespaces()
+    assert netns.shaping_problem() is None
+    assert _our_namespaces() == before
 
 
 @needs_netns

@@ -267,3 +267,123 @@ def test_a_misspelt_top_level_key_warns_with_the_closest_known_key():
     messages = parse_and_collect_warnings(with_keys(train_micro_batch_size_per_gp=2))
     assert any("train_micro_batch_size_per_gp" in m and "train_micro_batch_size_per_gpu" in m for m in messages), \
         messages
+
+
+# ---- DeepSpeed's Adam/AdamW parameters (docs/usage.md, "From DeepSpeed's AdamW") ------------------
+# A DeepSpeed config whose "AdamW" becomes one of our types keeps its optimizer params: each is
+# honoured or refused with the reason (deepspeed_acco/runtime/optimizers/params.py).
+from deepspeed_acco.runtime.optimizers import params as optimizer_params  # noqa: E402
+
+OUR_TYPES = ["ShardedAdamW", "DPU", "ACCO", "CO2"]
+EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "configs"
+
+
+def _adam_config(optimizer_type="ACCO", **params):
+    config = with_keys(optimizer_type)
+    config["optimizer"]["params"].update(weight_decay=0.1, **params)
+    return config
+
+
+@pytest.mark.parametrize("optimizer_type", OUR_TYPES)
+def test_the_deepspeed_adamw_example_switches_by_its_type_alone(optimizer_type):
+    """examples/configs/zero1.json is DeepSpeed's own AdamW with torch_adam; only the type changes."""
+    import json
+    config = json.loads((EXAMPLES / "zero1.json").read_text())
+    assert config["optimizer"]["params"]["torch_adam"] is True
+    config["optimizer"]["type"] = optimizer_type
+    parsed = parse_config(config, world_size=2).params
+    assert (parsed.lr, parsed.betas, parsed.eps, parsed.weight_decay) == (1e-3, (0.9, 0.95), 1e-8, 0.1)
+
+
+@pytest.mark.parametrize("key, value", [("torch_adam", True), ("torch_adam", False), ("fused", True),
+                                        ("fused", None), ("foreach", False), ("capturable", False),
+                                        ("differentiable", False), ("set_grad_none", True)])
+def test_implementation_selectors_are_accepted_with_one_note(monkeypatch, key, value):
+    monkeypatch.setattr(optimizer_params, "_noted", set())
+    plain = parse_config(_adam_config(), world_size=2).params
+    messages = parse_and_collect_warnings(_adam_config(**{key: value}))
+    notes = {m for m in messages if f"optimizer.params.{key}" in m}  # the helper's handlers may see it twice
+    assert len(notes) == 1 and "no effect" in notes.pop(), messages
+    assert parse_config(_adam_config(**{key: value}), world_size=2).params == plain
+    assert not [m for m in parse_and_collect_warnings(_adam_config(**{key: value})) if key in m], "noted twice"
+
+
+@pytest.mark.parametrize("optimizer_type", OUR_TYPES)
+def test_math_params_at_adamws_values_are_honoured(optimizer_type):
+    """Our update is AdamW with bias correction, no AMSGrad, minimising, fp32 state: these values say so."""
+    plain = parse_config(_adam_config(optimizer_type), world_size=2).params
+    same = dict(adam_w_mode=True, bias_correction=True, amsgrad=False, maximize=False, fp32_optimizer_states=True)
+    assert parse_config(_adam_config(optimizer_type, **same), world_size=2).params == plain
+
+
+MATH_CHANGERS = [
+    ("adam_w_mode", False, "Adam with L2"),
+    ("bias_correction", False, "bias correction"),
+    ("amsgrad", True, "AMSGrad"),
+    ("maximize", True, "ascends"),
+    ("fp32_optimizer_states", False, "always fp32"),
+    ("max_grad_norm", 1.0, "gradient_clipping"),
+    ("torch_adam", "yes", "true or false"),
+    ("amsgrad", 0, "true or false"),
+]
+
+
+@pytest.mark.parametrize("optimizer_type", OUR_TYPES)
+@pytest.mark.parametrize("key, value, reason", MATH_CHANGERS, ids=[f"{k}={v!r}" for k, v, _ in MATH_CHANGERS])
+def test_params_that_change_the_math_are_refused_with_the_reason(optimizer_type, key, value, reason):
+    with pytest.raises(ValueError, match=rf"optimizer\.params\.{key}: .*{reason}.*;") as error:
+        parse_config(_adam_config(optimizer_type, **{key: value}), world_size=2)
+    assert any(fix in str(error.value).rpartition(";")[2] for fix in ("remove it", "move the value", "set it"))
+    assert_rejected(_adam_config(optimizer_type, **{key: value}), f"optimizer.params.{key}")
+
+
+def test_adam_w_mode_false_without_weight_decay_is_the_same_update():
+    """Adam with L2 and AdamW differ only in the decay: with weight_decay 0 the config is accepted, and the
+    update equals torch's Adam (DeepSpeed's adam_w_mode false) to rounding."""
+    config = _adam_config(adam_w_mode=False)
+    with pytest.raises(ValueError, match=r'"weight_decay": 0'):
+        parse_config(config, world_size=2)
+    config["optimizer"]["params"]["weight_decay"] = 0.0
+    params = parse_config(config, world_size=2).params
+    from deepspeed_acco.ops import reference
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(7, generator=generator)
+    theirs = torch.nn.Parameter(start.clone())
+    adam = torch.optim.Adam([theirs], lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=0.0)
+    ours, exp_avg, exp_avg_sq = start.clone(), torch.zeros(7), torch.zeros(7)
+    for step in range(1, 4):
+        grad = torch.randn(7, generator=generator)
+        theirs.grad = grad.clone()
+        adam.step()
+        reference.adamw_step(ours, grad, exp_avg, exp_avg_sq, step=step, lr=params.lr, beta1=params.betas[0],
+                             beta2=params.betas[1], eps=params.eps, weight_decay=params.weight_decay)
+    torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=1e-6)
+
+
+def test_the_deepspeed_params_list_matches_deepspeeds_adam_signatures():
+    """Every keyword DeepSpeed's FusedAdam, DeepSpeedCPUAdam and torch's AdamW take (the classes DeepSpeed
+    builds for "Adam"/"AdamW") is one of ours or in the honoured-or-refused table: a new DeepSpeed
+    parameter fails here until it is decided."""
+    import inspect
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    ours = {item.name for item in __import__("dataclasses").fields(optimizer_params.AdamWParams)}
+    taken = set()
+    for cls in (FusedAdam, DeepSpeedCPUAdam, torch.optim.AdamW):
+        taken |= set(inspect.signature(cls.__init__).parameters) - {"self", "params", "model_params"}
+    renamed = {"adamw_mode"}  # DeepSpeedCPUAdam's name; DeepSpeed fills it from adam_w_mode
+    undecided = taken - ours - optimizer_params.DEEPSPEED_ADAM_PARAMS - renamed
+    assert not undecided, f"DeepSpeed's Adam accepts {sorted(undecided)}: honour or refuse them in params.py"
+    assert {"torch_adam", "adam_w_mode", "fp32_optimizer_states"} <= optimizer_params.DEEPSPEED_ADAM_PARAMS
+
+
+@pytest.mark.parametrize("micro, fix", [(8, '"train_micro_batch_size_per_gpu": 4 and "gradient_accumulation_steps": 2'),
+                                        (3, '"gradient_accumulation_steps": 2')])
+def test_acco_with_accumulation_1_names_the_two_line_fix(micro, fix):
+    """1 is DeepSpeed's and the HF Trainer's default accumulation: the error keeps the samples per update."""
+    config = {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "ACCO", "params": {"lr": 1e-3}}}
+    with pytest.raises(ValueError, match="gradient_accumulation_steps: .*got 1 .*default") as error:
+        parse_config(config, world_size=2)
+    assert fix in str(error.value) and "--gradient_accumulation_steps 2" in str(error.value)
+    if micro % 2 == 0:  # the fix as written parses, with the same samples per update
+        fixed = dict(config, train_micro_batch_size_per_gpu=micro // 2, gradient_accumulation_steps=2)
+        assert parse_config(fixed, world_size=2).batch.train_batch_size == micro * 2

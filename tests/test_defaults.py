@@ -15,7 +15,7 @@ import torch
 
 from deepspeed_acco.runtime.config import parse_config
 from deepspeed_acco.runtime.builder import defaults_note
-from deepspeed_acco.runtime.optimizers.warmup import (lambda_shape, resolve_auto_warmup, schedule_shape,
+from deepspeed_acco.runtime.warmup import (lambda_shape, resolve_auto_warmup, schedule_shape,
                                                      warmup_after_resume)
 from distributed_utils import run_distributed
 from reference_sim import TinyNet, batch, loss_fn, param_groups

@@ -1,11 +1,12 @@
-"""The latency model (deepspeed_acco.bench.latency) and its command line (latency_report): fit, message counts,
+"""The latency model (deepspeed_acco.bench.latency) and its command line (deepspeed_acco.bench.latency.report): fit, message counts,
 prediction. No processes, no network."""
 import json
 import math
 
 import pytest
 
-from deepspeed_acco.bench import latency, latency_report
+from deepspeed_acco.bench import latency
+from deepspeed_acco.bench.latency import report as latency_report
 from deepspeed_acco.bench.latency import (comm_seconds, fit_alpha_beta, link_bytes, messages_per_update,
                                           predict_ms_per_update, sequential_messages)
 
@@ -195,7 +196,7 @@ def test_cli_prints_the_table(tmp_path, capsys):
     (report / "results.json").write_text(json.dumps(results))
     probe_path = tmp_path / "probe.json"
     probe_path.write_text(json.dumps(probe))
-    assert latency.main(["--probe", str(probe_path), "--report", str(report), "--latencies", "0.1,20"]) == 0
+    assert latency_report.main(["--probe", str(probe_path), "--report", str(report), "--latencies", "0.1,20"]) == 0
     text = capsys.readouterr().out
     assert "| reduce_scatter | 1 | 6 | 0.400 |" in text  # the synthetic alpha comes back
     assert "predicted ms @ 20 ms" in text and "speedup vs ZeRO-1 @ 0.1 ms" in text
@@ -212,11 +213,11 @@ def test_cli_needs_sizes(tmp_path):
     probe_path = tmp_path / "probe.json"
     probe_path.write_text(json.dumps(dict(backend="gloo", world_size=2, numel=P)))
     with pytest.raises(SystemExit, match="--sizes"):
-        latency.main(["--probe", str(probe_path), "--report", str(tmp_path)])
+        latency_report.main(["--probe", str(probe_path), "--report", str(tmp_path)])
     with pytest.raises(SystemExit, match="--out"):
-        latency.main(["--measure", "100mbit"])
+        latency_report.main(["--measure", "100mbit"])
     with pytest.raises(SystemExit, match="--report"):
-        latency.main(["--probe", str(probe_path)])
+        latency_report.main(["--probe", str(probe_path)])
     assert math.isfinite(latency_report.parse_latencies("0.1,2,20")[2])
     with pytest.raises(SystemExit):
         latency_report.parse_latencies("a,b")

@@ -7,6 +7,9 @@ included.
 - ``deepspeed_acco/ops`` and ``op_builder`` (the kernels) import nothing of ``runtime`` or above.
 - ``runtime/checks.py`` (the generic config checks every layer shares) imports only the standard
   library.
+- Imports go one way everywhere, inside a package too: no module reaches itself through the
+  package's imports. Importing ``P.M`` from outside package ``P`` runs ``P/__init__.py`` first, so it
+  counts as importing ``P`` as well.
 """
 import ast
 import sys
@@ -19,8 +22,8 @@ RUNTIME_MAY_IMPORT = ("deepspeed_acco.runtime", "deepspeed_acco.ops")
 KERNELS_MAY_IMPORT = ("deepspeed_acco.ops", "deepspeed_acco.op_builder")
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT.parent) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -57,6 +60,71 @@ def package_imports(directory: str):
             if target == PACKAGE or target.startswith(PACKAGE + "."):
                 found.append((str(path.relative_to(ROOT.parent)), line, target))
     return found
+
+
+def all_modules():
+    return {module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+
+
+def import_graph(modules):
+    """``{module: {imported module: first line}}`` over the package's own modules.
+
+    A target that is not a module (``from .x import name``) counts as its module; importing ``P.M``
+    from a module outside package ``P`` also counts as importing ``P`` (its ``__init__`` runs first).
+    """
+    graph = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        is_package = path.name == "__init__.py"
+        own_packages = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + (2 if is_package else 1))}
+        for line, target in imported_modules(path.read_text(encoding="utf-8"), name, is_package):
+            parts = target.split(".")
+            known = [".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules]
+            if not known:
+                continue
+            target_parts = known[0].split(".")
+            for i in range(1, len(target_parts) + 1):
+                imported = ".".join(target_parts[:i])
+                if imported in modules and imported not in own_packages and imported != name:
+                    edges.setdefault(imported, line)
+    return graph
+
+
+def cycles(graph):
+    """Each strongly connected group of two or more modules (Tarjan), as a sorted list of names."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, {}):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def describe_cycle(graph, group):
+    members = set(group)
+    return "; ".join(f"{source} line {line} imports {target}" for source in group
+                     for target, line in sorted(graph[source].items()) if target in members)
 
 
 def outside(imports, allowed):
@@ -100,3 +168,29 @@ def test_import_reader_resolves_relative_and_lazy_imports():
     assert outside([("x.py", 5, "deepspeed_acco.registration")], RUNTIME_MAY_IMPORT)
     assert not outside([("x.py", 1, "deepspeed_acco.ops.quantization")], RUNTIME_MAY_IMPORT)
     assert outside([("x.py", 1, "deepspeed_acco.opsx")], RUNTIME_MAY_IMPORT)
+
+
+def test_imports_go_one_way():
+    graph = import_graph(all_modules())
+    assert "deepspeed_acco.runtime.schedule" in graph["deepspeed_acco.runtime.optimizers.acco"]
+    found = cycles(graph)
+    assert not found, "import cycles (move what both sides need into a module of its own):\n" + "\n".join(
+        describe_cycle(graph, group) for group in found)
+
+
+def test_cycle_finder_counts_a_package_init_and_ignores_siblings(tmp_path):
+    sources = {"p/__init__.py": "from .a import A\n", "p/a.py": "from . import b\nA = 1\n", "p/b.py": "X = 1\n",
+               "q.py": "import os\n\ndef f():\n    from p.b import X\n"}
+    for relative, source in sources.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(source, encoding="utf-8")
+    modules = {module_name(path, tmp_path): path for path in sorted(tmp_path.rglob("*.py"))}
+    graph = import_graph(modules)
+    # p.a is inside p: importing its sibling does not run p's __init__ again.
+    assert graph == {"p": {"p.a": 1}, "p.a": {"p.b": 1}, "p.b": {}, "q": {"p.b": 4, "p": 4}}
+    assert cycles(graph) == []
+    # From outside the package, p.b brings p (and so p.a) along: a cycle through p's __init__.
+    (tmp_path / "p/a.py").write_text("import q\nA = 1\n", encoding="utf-8")
+    graph = import_graph(modules)
+    assert cycles(graph) == [["p", "p.a", "q"]]
+    assert describe_cycle(graph, ["p", "p.a", "q"]) == "p line 1 imports p.a; p.a line 1 imports q; q line 4 imports p"

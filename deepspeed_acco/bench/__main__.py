@@ -24,9 +24,11 @@ import time
 from typing import Dict, List, Optional
 
 from . import netns
+from .faults import check_fault_args, run_fault_bench
 from .jobs import Placement, probe_comm, run_job
 from .methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
 from .models import DEFAULT_PRESET, PRESETS
+from .runs import Network, worker_args
 from .summary import finish, replot
 from .train import _sync_updates
 
@@ -242,44 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
 # Jobs
 
 
-def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: Optional[float] = None) -> List[str]:
-    """The command line of :mod:`.train` for one run of ``method`` (a variant name) with ``seed``."""
-    dyn = bool(args.slow_rank) and not args.no_dynamic_accumulation
-    out = ["--method", method, "--run-dir", run_dir, "--model", args.model, "--ctx", str(args.ctx),
-           "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
-           "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--precision", args.precision,
-           "--lr", repr(args.lr), "--warmup", str(args.warmup), "--lr-schedule", args.lr_schedule, "--weight-decay", repr(args.weight_decay),
-           "--beta1", repr(args.beta1),
-           "--clip", repr(args.clip), "--seed", str(seed),
-           "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
-    if args.local_steps is not None:
-        out += ["--local-steps", str(args.local_steps)]
-    if args.warmup_sync_updates is not None:
-        out += ["--warmup-sync-updates", str(args.warmup_sync_updates)]
-    if args.sync_after_updates is not None:
-        out += ["--sync-after-updates", str(args.sync_after_updates)]
-    if target_loss is not None:
-        out += ["--target-loss", repr(float(target_loss)), "--max-updates", str(args.max_updates)]
-    base = method.split("+")[0]
-    if base == "co2" and args.ranks_per_node > 1:
-        out += ["--group-size", str(args.ranks_per_node)]
-    for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum),
-                        ("--gap-penalty", args.gap_penalty)):
-        if value is not None:
-            out += [flag, str(value)]
-    if args.data:
-        out += ["--data", args.data]
-    if args.communication_timeout_s is not None and parse_variant(method).method.ours:
-        out += ["--communication-timeout-s", repr(args.communication_timeout_s)]
-    if args.slow_rank:
-        out += ["--slow-rank", args.slow_rank]
-    if dyn and base == "acco":
-        out.append("--dynamic-accumulation")
-    if args.trace:
-        out += ["--trace", os.path.abspath(args.trace)]
-    return out
-
-
 def _busy_cores(seconds: float = 1.0) -> Optional[float]:
     """Cores the machine is busy with right now (averaged over ``seconds``, from /proc/stat)."""
     from .train import _system_cpu
@@ -355,6 +319,15 @@ def check_args(args, methods: List[str]) -> None:
                              f"{args.ranks_per_node} rank(s))")
     if args.nodes > netns.MAX_NODES:
         raise SystemExit(f"--nodes: at most {netns.MAX_NODES} emulated nodes, got {args.nodes}")
+    try:
+        for text in [args.bandwidth] + args.sweep_bandwidth.split(","):
+            if text.strip() and text != "auto":
+                netns.parse_bandwidth(text)
+    except ValueError as exc:
+        raise SystemExit(f"--bandwidth/--sweep-bandwidth: {exc}")
+    if args.bandwidth == "auto" and not args.sweep_bandwidth and args.no_compute_only and not args.fault:
+        raise SystemExit("--bandwidth auto derives the link rate from the compute-only run: drop --no-compute-only "
+                         "or give a rate (e.g. --bandwidth 300mbit)")
     if args.target_loss == "auto" and BASELINE not in methods:
         raise SystemExit(f"--target-loss auto is DeepSpeed ZeRO-1's validation loss after --updates: add {BASELINE} "
                          f"to --methods, give a loss value, or pass --target-loss none")
@@ -399,61 +372,6 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
         except ValueError as exc:
             out[m] = str(exc)
     return out
-
-
-class Network:
-    """The emulated network of one link rate, created on entry and removed on exit."""
-
-    def __init__(self, args, bps: Optional[float], shaping_ok: bool, force_private: bool):
-        self.args, self.bps = args, bps
-        self.cluster = self.namespace = None
-        if shaping_ok and args.nodes >= 2:
-            self.cluster = netns.Cluster(args.nodes, bps)
-        elif shaping_ok and (bps is not None or force_private):
-            self.namespace = netns.Namespace(bps)
-        nodes = args.nodes if self.cluster is not None else 1
-        ranks = args.ranks_per_node if self.cluster is not None else args.nodes * args.ranks_per_node
-        self.placement = Placement(nodes, ranks, cluster=self.cluster, namespace=self.namespace)
-
-    def __enter__(self):
-        for net in (self.cluster, self.namespace):
-            if net is not None:
-                net.create()
-        return self
-
-    def __exit__(self, *exc):
-        for net in (self.cluster, self.namespace):
-            if net is not None:
-                net.delete()
-
-    def measure(self, threads: int) -> dict:
-        """The link as the ranks get it: bulk TCP transfer rates, and the qdisc."""
-        from .jobs import child_env
-        env = child_env(threads)
-        if self.cluster is not None:
-            m = netns.measure_cluster(self.cluster, 1.0, env=env)
-            return dict(topology="cluster", nodes=self.args.nodes, ranks_per_node=self.args.ranks_per_node,
-                        nominal_bps=self.bps, measured_bps=m["one_way_bps"], duplex_bps=m["duplex_bps"],
-                        qdisc=self.cluster.qdisc())
-        if self.namespace is not None:
-            return dict(topology="loopback", nominal_bps=self.bps, qdisc=self.namespace.qdisc(),
-                        measured_bps=netns.measure_rate(self.namespace, 1.0, env=env))
-        return dict(topology="host", nominal_bps=None, qdisc="host loopback",
-                    measured_bps=netns.measure_rate(None, 1.0, env=env))
-
-    @staticmethod
-    def describe(link: dict, label: str) -> str:
-        if link["topology"] == "cluster":
-            shaped = (f"each with a full-duplex link shaped with tc tbf to {label} per direction (node egress and "
-                      f"switch port)" if link["nominal_bps"] else "each with an unshaped veth link")
-            return (f"link: {link['nodes']} emulated nodes x {link['ranks_per_node']} rank(s), {shaped}; bulk TCP "
-                    f"transfer node 1 -> node 0 measured {link['measured_bps'] / 1e6:.0f} Mbit/s, both directions at "
-                    f"once {link['duplex_bps'][0] / 1e6:.0f} + {link['duplex_bps'][1] / 1e6:.0f} Mbit/s")
-        if link["topology"] == "loopback" and link["nominal_bps"]:
-            return (f"link: one namespace, loopback shaped with tc tbf to {label}; bulk TCP transfer measured "
-                    f"{link['measured_bps'] / 1e6:.0f} Mbit/s (shared by both directions)")
-        return (f"link: {'namespace' if link['topology'] == 'loopback' else 'host'} loopback, unshaped, bulk TCP "
-                f"transfer {link['measured_bps'] / 1e9:.1f} Gbit/s")
 
 
 def _run_sub(label: str, many_rates: bool, method: str, seeds: List[int], seed: int, rep_tag: str) -> str:
@@ -573,11 +491,14 @@ class _Estimate:
                   + ", ".join(flags) + ", or --model tiny for a quick look", flush=True)
 
 
-def main(argv=None) -> int:
+def parse_command(argv=None):
+    """``(args, methods)`` of one invocation, after every check :func:`main` makes of its options before
+    anything runs (SystemExit naming the flag and the fix). Nothing runs and the machine is not
+    examined (:func:`require_network` does that): tests/test_docs_commands.py parses the documents'
+    commands with it."""
     args = build_parser().parse_args(argv)
     if args.replot:
-        return replot(os.path.abspath(args.replot))
-    _install_sigterm()
+        return args, []
     methods = resolve_methods(args.methods)
     if not methods and args.no_compute_only:
         raise SystemExit("nothing to run: --methods is empty and --no-compute-only is set")
@@ -585,8 +506,29 @@ def main(argv=None) -> int:
         args.target_loss = None
     check_args(args, methods)
     if args.fault:
-        from .faults import check_fault_args, run_fault_bench
         check_fault_args(args, methods)
+    return args, methods
+
+
+def require_network(args, host: Optional[netns.Host] = None) -> bool:
+    """Whether nodes and shaped links can be emulated here (:func:`netns.shaping_problem`). When they
+    cannot, stop with the fix, unless ``--bandwidth none`` was given: then the run goes on unshaped."""
+    problem = netns.shaping_problem(host)
+    if problem is None:
+        return True
+    if args.fault or args.bandwidth != "none" or args.sweep_bandwidth:
+        raise SystemExit(f"python -m deepspeed_acco.bench emulates nodes joined by shaped links (docs/bench.md, "
+                         f"\"What it needs\"), and cannot here: {problem}")
+    return False
+
+
+def main(argv=None) -> int:
+    args, methods = parse_command(argv)
+    if args.replot:
+        return replot(os.path.abspath(args.replot))
+    _install_sigterm()
+    shaping_ok = require_network(args)
+    if args.fault:
         netns.remove_orphans()
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         out = os.path.abspath(args.out or os.path.join("bench_out", stamp))
@@ -601,20 +543,12 @@ def main(argv=None) -> int:
 
     precision_why = args.precision_why
     auto_rate = args.bandwidth == "auto" and not args.sweep_bandwidth
-    shaping_ok, why = netns.supported()
-    if auto_rate and args.no_compute_only and shaping_ok:
-        raise SystemExit("--bandwidth auto derives the link rate from the compute-only run: drop --no-compute-only "
-                         "or give a rate (e.g. --bandwidth 300mbit)")
-    try:
-        rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
-            if args.sweep_bandwidth else [AUTO_RATE if auto_rate else netns.parse_bandwidth(args.bandwidth)]
-    except ValueError as exc:
-        raise SystemExit(f"--bandwidth/--sweep-bandwidth: {exc}")
-    if not shaping_ok and (args.nodes > 1 or any(r is not None for r in rates)):
-        print(f"WARNING: cannot emulate nodes or slow links here ({why}); running all "
-              f"{args.nodes * args.ranks_per_node} ranks UNSHAPED over the host loopback. The timings then show "
-              f"compute overheads only, not the network.", flush=True)
-        rates = [None]
+    rates = [netns.parse_bandwidth(b) for b in args.sweep_bandwidth.split(",") if b.strip()] \
+        if args.sweep_bandwidth else [AUTO_RATE if auto_rate else netns.parse_bandwidth(args.bandwidth)]
+    if not shaping_ok and args.nodes > 1:
+        print(f"WARNING: --bandwidth none, and no emulated nodes here; running all {args.nodes * args.ranks_per_node} "
+              f"ranks over the host loopback, so the timings show compute overheads only, not the network.",
+              flush=True)
     if shaping_ok:
         orphans = netns.remove_orphans()
         if orphans:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from . import netns
+from .runs import Network, worker_args
 
 KINDS = ("link-down", "flap", "node-kill")
 # A rank must have exited within communication_timeout_s + EXIT_GRACE_S of the fault. The grace
@@ -278,7 +279,8 @@ def wait_for_no_processes(run_dir: str, seconds: float = 10.0) -> None:
 
 
 def check_fault_args(args, methods: List[str]) -> Fault:
-    """Refuse what a fault run cannot do (SystemExit naming the flag and the fix)."""
+    """Refuse what a fault run cannot do (SystemExit naming the flag and the fix); whether this machine can
+    emulate nodes at all is the bench's check (``__main__.require_network``)."""
     from .methods import parse_variant
     try:
         fault = parse_fault(args.fault)
@@ -302,9 +304,6 @@ def check_fault_args(args, methods: List[str]) -> Fault:
                          f"({args.communication_timeout_s:g}), or it is a link loss")
     if args.recover:
         recovery_accumulation(args, fault, methods)
-    ok, why = netns.supported()
-    if not ok:
-        raise SystemExit(f"--fault needs emulated nodes (network namespaces): {why}")
     return fault
 
 
@@ -419,7 +418,6 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
     global batch: ``accumulation`` micro-batches per rank, :func:`recovery_accumulation`) up to
     ``--updates``; compare with the undisturbed run."""
     import copy
-    from .__main__ import Network, worker_args
     from .jobs import run_job
     save_dir = os.path.join(run_dir, "checkpoints")
     record = checkpoint_record(save_dir)
@@ -459,7 +457,6 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
 
 def run_fault_bench(args, methods: List[str], out: str, command: str, machine: dict) -> int:
     """Run every method with ``args.fault`` on a fresh emulated cluster each; write faults.json/.md in ``out``."""
-    from .__main__ import Network, worker_args
     from .jobs import run_job
     from .methods import parse_variant
     fault = check_fault_args(args, methods)

@@ -44,7 +44,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 _UNITS = {"": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
           "k": 1e3, "m": 1e6, "g": 1e9, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
@@ -87,15 +88,77 @@ def format_bandwidth(bps: Optional[float]) -> str:
 
 
 def supported() -> Tuple[bool, str]:
-    """Whether this process can create shaped namespaces; the reason when not."""
-    if sys.platform != "linux":
-        return False, f"network namespaces need Linux (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return False, "creating a network namespace needs root (this process is not root)"
+    """Whether this process can create shaped namespaces, from the platform, the user and the tools
+    alone (no namespace is created: the tests' skip conditions call it); the reason when not."""
+    problem = _static_problem(Host())
+    return problem is None, (problem or ("", ""))[0]
+
+
+UNSHAPED_FIX = ("or pass --bandwidth none to run without the emulated network (every rank on this host's loopback; "
+                "the timings then show compute, not the network)")
+
+
+def _try_cluster() -> None:
+    with Cluster(2, 1e9):
+        pass
+
+
+@dataclass
+class Host:
+    """What :func:`shaping_problem` reads of the machine (tests pass a fake one)."""
+
+    platform: str = sys.platform
+    euid: Callable[[], int] = os.geteuid if hasattr(os, "geteuid") else (lambda: -1)
+    which: Callable[[str], Optional[str]] = shutil.which
+    try_cluster: Callable[[], None] = _try_cluster
+    """Build and remove a two-node cluster with shaped links, raising what failed."""
+
+
+def _static_problem(host: Host) -> Optional[Tuple[str, str]]:
+    if host.platform != "linux":
+        return (f"network namespaces need Linux (this is {host.platform})",
+                "run the bench on a Linux machine or virtual machine")
+    if host.euid() != 0:
+        return ("creating network namespaces needs root (this process is not root)",
+                "run it as root, e.g. make venv && sudo .venv/bin/python -m deepspeed_acco.bench, or in a container "
+                "started with --privileged")
     for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return False, f"'{tool}' (iproute2) is not installed"
-    return True, ""
+        if host.which(tool) is None:
+            return (f"'{tool}' (iproute2) is not installed", "install iproute2 (Debian/Ubuntu: apt-get install "
+                    "iproute2; Fedora: dnf install iproute iproute-tc)")
+    return None
+
+
+# What a failed command of the trial cluster says is missing, and the fix (matched in order).
+_TRIAL_FAILURES = (
+    ("netns add", "this process cannot create network namespaces",
+     "in a container, start it with --privileged (namespaces need CAP_SYS_ADMIN and CAP_NET_ADMIN)"),
+    ("type bridge", "the kernel cannot create a bridge", "load its module: modprobe bridge"),
+    ("type veth", "the kernel cannot create veth pairs", "load its module: modprobe veth"),
+    (" tbf", "the kernel has no tbf qdisc to shape links with", "load its module: modprobe sch_tbf"),
+)
+
+
+def shaping_problem(host: Optional[Host] = None) -> Optional[str]:
+    """Why this process cannot emulate nodes joined by shaped links, with the fix; None when it can.
+
+    Root, Linux and iproute2's ``ip`` and ``tc`` are checked first; then a two-node :class:`Cluster`
+    with tbf-shaped links is built and removed, so a missing kernel feature (namespaces in an
+    unprivileged container, veth, bridge, sch_tbf) shows before anything runs."""
+    host = host or Host()
+    problem = _static_problem(host)
+    if problem is None:
+        try:
+            host.try_cluster()
+        except (RuntimeError, OSError) as error:
+            text = str(error)
+            problem = next(((what, fix) for marker, what, fix in _TRIAL_FAILURES if marker in text),
+                           ("building a trial two-node cluster failed", "fix what the command reports"))
+            problem = (f"{problem[0]} ({text.strip()[:300]})", problem[1])
+    if problem is None:
+        return None
+    what, fix = problem
+    return f"{what}; {fix}, {UNSHAPED_FIX}"
 
 
 def _run(cmd: List[str]) -> None:

@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .loss_scale import LossScale
 from .optimizers import lookup
 from .optimizers.params import AUTO
-from .optimizers.warmup import describe_warmup, resolve_auto_warmup
+from .warmup import describe_warmup, resolve_auto_warmup
 from .schedule import BuildContext, Schedule
 
 

@@ -31,7 +31,9 @@ from .jobs import ADAMW, JobKind, JobResult, ShardState, ShardUpdateJob, UpdateR
 from .loss_scale import LossScale
 from .optimizer import ShardedOptimizer
 from .progress import Progress
+from .registry import lookup
 from .timeline import TimeBreakdown
+from .warmup import warmup_after_resume
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
@@ -178,7 +180,7 @@ class Schedule:
         self.train_batch_size = config.batch.train_batch_size
         self.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
         warmup = getattr(self.params, "warmup_sync_updates", 0)
-        # "auto" is resolved from the LR scheduler by the builder (runtime/optimizers/warmup.py), which
+        # "auto" is resolved from the LR scheduler by the builder (runtime/warmup.py), which
         # sets this; a schedule built without one starts without a warm-up.
         self.warmup_sync_updates = 0 if warmup == "auto" else int(warmup)
         self.sync_after_updates: Optional[int] = getattr(self.params, "sync_after_updates", None)
@@ -548,7 +550,6 @@ class Schedule:
         state continues here unless its schedule declared the state its own: in the entry, or for a
         checkpoint written before the entry said so, by the saved type's registered class.
         """
-        from .optimizers import lookup  # the registry imports this module
         saved_type = saved.get("optimizer_type")
         reason = saved.get("continues_only_as_itself")
         if "continues_only_as_itself" not in saved:
@@ -566,7 +567,6 @@ class Schedule:
         before this N, the warm-up is over: N becomes the loaded update count, logged once. Otherwise
         (the same N, or a checkpoint still inside its warm-up) N stays as resolved.
         """
-        from .optimizers.warmup import warmup_after_resume  # the registry package imports this module
         resolved, steps = self.warmup_sync_updates, self.progress.global_steps
         saved_warmup = saved.get("warmup_sync_updates")
         under_way = self.running is not None or self.phase is not next(iter(self.Phase))

@@ -56,11 +56,25 @@ class ACCO(Schedule):
 
     @classmethod
     def validate_config(cls, params: ACCOParams, batch, world_size: int) -> None:
-        if not params.dynamic_accumulation and batch.gradient_accumulation_steps % 2:
-            raise config_error(
-                "gradient_accumulation_steps", f"ACCO splits each batch into two halves, so it must be even, got "
-                f"{batch.gradient_accumulation_steps}", "use an even number (e.g. halve train_micro_batch_size_per_gpu "
-                "and double gradient_accumulation_steps), or set optimizer.params.dynamic_accumulation to true")
+        accumulation, micro = batch.gradient_accumulation_steps, batch.micro_batch_size
+        if params.dynamic_accumulation or accumulation % 2 == 0:
+            return
+        problem = f"ACCO splits each update's micro-batches into two halves, so it must be even, got {accumulation}"
+        if accumulation == 1 and micro % 2 == 0:
+            # 1 is DeepSpeed's and the HF Trainer's default: the fix that keeps the samples per update.
+            problem += " (DeepSpeed's and the HF Trainer's default)"
+            fix = (f"keep the batch with two lines: \"train_micro_batch_size_per_gpu\": {micro // 2} and "
+                   f"\"gradient_accumulation_steps\": 2 (HF Trainer: --per_device_train_batch_size {micro // 2} "
+                   f"--gradient_accumulation_steps 2)")
+        elif accumulation == 1:
+            problem += " (DeepSpeed's and the HF Trainer's default)"
+            fix = (f"set \"gradient_accumulation_steps\": 2 (HF Trainer: --gradient_accumulation_steps 2); "
+                   f"train_micro_batch_size_per_gpu {micro} is odd, so an update then takes twice the samples")
+        else:
+            fix = ("use an even number (e.g. halve train_micro_batch_size_per_gpu and double "
+                   "gradient_accumulation_steps)")
+        raise config_error("gradient_accumulation_steps", problem,
+                           fix + ", or set optimizer.params.dynamic_accumulation to true")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

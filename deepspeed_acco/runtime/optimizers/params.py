@@ -7,12 +7,15 @@ docstring per field naming the paper's symbol; :func:`parse_params` checks a JSO
 it, and the class's ``validate()`` checks ranges. Every mistake raises ``ValueError`` naming the
 key and the fix.
 """
+import logging
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, FrozenSet, Optional, Tuple, Union
 
 from ...ops import quantization
 from ..checks import boolean, config_error, integer, number
+
+logger = logging.getLogger("DeepSpeed").getChild("acco")
 
 DEFAULT_COMMUNICATION_TIMEOUT_S = 300.0
 AUTO = "auto"
@@ -51,9 +54,16 @@ def _parse_value(key: str, annotation, value: Any, choices: Tuple[str, ...]):
 
 
 def parse_params(cls, raw: Dict[str, Any], type_name: str, prefix: str = "optimizer.params"):
-    """An instance of the params dataclass ``cls`` from the JSON object ``raw`` (validated)."""
+    """An instance of the params dataclass ``cls`` from the JSON object ``raw`` (validated).
+
+    For AdamW-based types, the parameters DeepSpeed's own Adam/AdamW accept are read first
+    (:func:`check_deepspeed_adam_params`): honoured, or refused with the reason."""
     if not isinstance(raw, dict):
         raise config_error(prefix, f"expected an object, got {raw!r}", "give the parameters as a JSON object")
+    deepspeed_keys = {}
+    if issubclass(cls, AdamWParams):
+        deepspeed_keys = {key: raw[key] for key in raw if key in DEEPSPEED_ADAM_PARAMS}
+        raw = {key: value for key, value in raw.items() if key not in deepspeed_keys}
     known = {item.name: item for item in fields(cls)}
     unknown = sorted(set(raw) - set(known))
     if unknown:
@@ -67,6 +77,7 @@ def parse_params(cls, raw: Dict[str, Any], type_name: str, prefix: str = "optimi
     parsed = cls(**values)
     parsed.given = frozenset(raw)
     parsed.validate(prefix)
+    check_deepspeed_adam_params(deepspeed_keys, parsed, type_name, prefix)
     return parsed
 
 
@@ -139,7 +150,7 @@ class WarmupParams:
     own rule takes over after them from the committed parameters, without a restart (optimizer
     state, step count and LR schedule carry on). 0: no warm-up. "auto" (the default for DPU and
     ACCO): N from the LR scheduler when the engine is built (docs/design.md, 3.8;
-    :mod:`deepspeed_acco.runtime.optimizers.warmup`)."""
+    :mod:`deepspeed_acco.runtime.warmup`)."""
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -170,10 +181,95 @@ class CooldownParams:
             if after < 1:
                 raise config_error(f"{prefix}.sync_after_updates", f"must be >= 1, got {after}",
                                    "use null for the type's own rule to the end")
-            return  # "auto" resolves below it (deepspeed_acco.runtime.optimizers.warmup)
+            return  # "auto" resolves below it (deepspeed_acco.runtime.warmup)
         if after <= warmup:
             raise config_error(f"{prefix}.sync_after_updates", f"must be greater than warmup_sync_updates "
                                f"({warmup}), got {after}", "use null for the type's own rule to the end, or the "
                                "number of committed updates after which to go synchronous (a run that is "
                                "synchronous throughout is ShardedAdamW)")
 
+
+# ---- DeepSpeed's Adam/AdamW parameters -------------------------------------------------------
+# What DeepSpeed's "Adam"/"AdamW" accept in optimizer.params besides lr, betas, eps and
+# weight_decay (deepspeed/runtime/engine.py, _configure_basic_optimizer and
+# get_optimizer_configuration; ops/adam/fused_adam.py; ops/adam/cpu_adam.py; torch.optim.AdamW, which
+# DeepSpeed builds with torch_adam), so that a config switched from "AdamW" to one of our types
+# keeps working or says why it cannot (docs/usage.md, "From DeepSpeed's AdamW").
+
+IMPLEMENTATION_SELECTORS: Dict[str, str] = {
+    "torch_adam": "chooses between torch.optim.AdamW and DeepSpeed's fused AdamW",
+    "fused": "chooses torch.optim.AdamW's fused implementation",
+    "foreach": "chooses torch.optim.AdamW's multi-tensor implementation",
+    "capturable": "lets torch.optim.AdamW's step be captured in a CUDA graph",
+    "differentiable": "lets autograd run through torch.optim.AdamW's step",
+    "set_grad_none": "makes DeepSpeed's FusedAdam.zero_grad() set .grad to None",
+}
+"""Parameters that choose how DeepSpeed computes the same AdamW update (or what its zero_grad frees):
+accepted with a note, since our types run their own fused AdamW kernels (docs/kernels.md) on
+gradients the engine accumulates in its own buffers."""
+
+
+@dataclass(frozen=True)
+class MathParam:
+    """A DeepSpeed Adam parameter that changes the update: honoured at ``ours``, refused otherwise."""
+
+    ours: Any
+    """The value whose update our kernels compute (the default of DeepSpeed's and torch's AdamW)."""
+    otherwise: str
+    """What another value would do, for the error."""
+
+
+MATH_PARAMS: Dict[str, MathParam] = {
+    "adam_w_mode": MathParam(True, "false makes it Adam with L2 regularisation (the decay is added to the gradient "
+                                   "and divided by Adam's denominator), not AdamW's decoupled decay"),
+    "bias_correction": MathParam(True, "false drops Adam's bias correction of the moments, which our AdamW "
+                                       "always applies (as torch.optim.AdamW does)"),
+    "amsgrad": MathParam(False, "true is AMSGrad (a running maximum of the second moment), which our kernels "
+                                "do not keep"),
+    "maximize": MathParam(False, "true ascends the objective; our types descend the loss"),
+    "fp32_optimizer_states": MathParam(True, "false keeps DeepSpeed's CPU-offload Adam moments in bf16; ours are "
+                                             "always fp32"),
+}
+
+REFUSED_PARAMS: Dict[str, Tuple[str, str]] = {
+    "max_grad_norm": ("DeepSpeed refuses it too: clipping is the top-level key \"gradient_clipping\"",
+                      "move the value there"),
+}
+"""Refused at any value: (the problem, the fix)."""
+
+DEEPSPEED_ADAM_PARAMS = frozenset(IMPLEMENTATION_SELECTORS) | frozenset(MATH_PARAMS) | frozenset(REFUSED_PARAMS)
+_NULLABLE = frozenset({"fused", "foreach", "fp32_optimizer_states"})
+"""Parameters whose null means "DeepSpeed or torch decides", as their signatures default to None."""
+
+_noted = set()
+"""The implementation selectors noted in this process (a config may be parsed more than once in a process,
+by the registration and then by initialize)."""
+
+
+def check_deepspeed_adam_params(given: Dict[str, Any], params: "AdamWParams", type_name: str, prefix: str) -> None:
+    """Honour or refuse each DeepSpeed Adam/AdamW parameter in ``given`` (``ValueError`` naming the key and
+    the fix); each implementation selector is noted once per process."""
+    for key, value in given.items():
+        name = f"{prefix}.{key}"
+        if key in REFUSED_PARAMS:
+            problem, fix = REFUSED_PARAMS[key]
+            raise config_error(name, problem, fix)
+        if key in IMPLEMENTATION_SELECTORS:
+            if not (value is None and key in _NULLABLE):
+                boolean(name, value)
+            if key not in _noted:
+                _noted.add(key)
+                logger.warning("deepspeed_acco config: %s: in DeepSpeed it %s; %s runs deepspeed_acco's own fused "
+                               "AdamW (the same update), so it has no effect here", name, IMPLEMENTATION_SELECTORS[key],
+                               type_name)
+            continue
+        rule = MATH_PARAMS[key]
+        if (value is None and key in _NULLABLE) or boolean(name, value) == rule.ours:
+            continue
+        if key == "adam_w_mode" and params.weight_decay == 0:
+            continue  # without weight decay, Adam and AdamW are the same update
+        fix = f"remove it (or set it to {str(rule.ours).lower()})"
+        if key == "adam_w_mode":
+            fix += (" for AdamW's decoupled weight decay and re-tune weight_decay, or set \"weight_decay\": 0 "
+                    "(DeepSpeed's FusedAdam default), where Adam and AdamW are the same update")
+        raise config_error(name, f"{type_name} implements AdamW: {rule.otherwise}", fix)

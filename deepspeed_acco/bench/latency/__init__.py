@@ -1,6 +1,6 @@
 """A latency model of each method's communication, on paper, from measurements.
 
-The emulated links (:mod:`.netns`) are shaped for bandwidth only: this kernel has no ``netem``, so
+The emulated links (:mod:`deepspeed_acco.bench.netns`) are shaped for bandwidth only: this kernel has no ``netem``, so
 packet delay cannot be emulated. This module predicts what latency would do instead, with the
 alpha-beta model of a collective::
 
@@ -26,19 +26,19 @@ Assumptions of the prediction (they are what "one one-way latency per step" need
   (:func:`gloo_all_reduce_window_ok` says when).
 
 "Bytes through the busiest link" counts one direction of one node's link with one rank per node,
-as :func:`.report.comm_round_seconds` does for ``nodes >= 2``: a reduce-scatter, an all-gather or an
+as :func:`deepspeed_acco.bench.report.comm_round_seconds` does for ``nodes >= 2``: a reduce-scatter, an all-gather or an
 all-to-all of an ``N``-byte vector sends (W - 1) / W x N bytes out of every node, an all-reduce
 twice that.
 
 ``python -m deepspeed_acco.bench.latency --probe PROBE.json --report BENCH_OUT [--latencies 0.1,2,20]``
-prints the fits and, for the methods of a bench report, the table of predicted ms/update.
+prints the fits and, for the methods of a bench report, the table of predicted ms/update; the
+command line and the markdown are :mod:`.report` (this package's ``__main__`` runs it).
 """
 import math
-import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .methods import parse_variant
+from ..methods import parse_variant
 
 # ----------------------------------------------------------------------------------------------
 # The collectives: how many sequential messages one call sends, and how many bytes cross a link
@@ -149,12 +149,12 @@ def fit_alpha_beta(points: Sequence[Tuple[float, float]], messages: int, *, rela
 
 
 def shaper_bucket_bytes(probe: dict) -> Optional[int]:
-    """The token bucket (bytes) of the tbf that shaped the probe's link, as :func:`.netns.tbf_args`
+    """The token bucket (bytes) of the tbf that shaped the probe's link, as :func:`deepspeed_acco.bench.netns.tbf_args`
     sets it for the link's nominal rate; None when the probe does not say what link it ran on."""
     bps = (probe.get("link") or {}).get("nominal_bps")
     if not bps:
         return None
-    from .netns import tbf_args
+    from ..netns import tbf_args
     args = tbf_args(float(bps))
     return int(args[args.index("burst") + 1])
 
@@ -454,12 +454,3 @@ def predict_ms_per_update(traffic: dict, *, t_compute_s: float, t_comm_s: float,
                  for L in latencies_s}
     return dict(overhead_s=overhead, model_s=model0, predicted_s=predicted)
 
-
-def main(argv=None) -> int:
-    """``python -m deepspeed_acco.bench.latency``: see :mod:`.latency_report`."""
-    from .latency_report import main as report_main
-    return report_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

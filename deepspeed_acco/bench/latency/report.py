@@ -1,6 +1,6 @@
 """The latency model's command line (``python -m deepspeed_acco.bench.latency``): run the sized probe on
 two emulated nodes (:func:`measure`), and turn a probe and a bench report into the markdown of fits,
-checks and predicted ms/update (:func:`report_markdown`). The model itself: :mod:`.latency`."""
+checks and predicted ms/update (:func:`report_markdown`). The model itself: :mod:`deepspeed_acco.bench.latency`."""
 import argparse
 import json
 import math
@@ -8,8 +8,8 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from .latency import (BUCKET_MARGIN, comm_seconds, fit_probe, gloo_all_reduce_window_ok, link_bytes,
-                      measured_comm_seconds, messages_per_update, predict_ms_per_update, sequential_messages)
+from . import (BUCKET_MARGIN, comm_seconds, fit_probe, gloo_all_reduce_window_ok, link_bytes,
+               measured_comm_seconds, messages_per_update, predict_ms_per_update, sequential_messages)
 
 # ----------------------------------------------------------------------------------------------
 # The command line: a bench report + a probe -> markdown
@@ -183,8 +183,8 @@ def measure(rate: str, out_path: str, sizes: str = DEFAULT_SIZES, repeats: int =
     is removed afterwards, whatever happens."""
     import tempfile
     import time
-    from . import netns
-    from .jobs import Placement, child_env, probe_comm
+    from .. import netns
+    from ..jobs import Placement, child_env, probe_comm
     ok, why = netns.supported()
     if not ok:
         raise SystemExit(f"--measure needs emulated nodes (network namespaces): {why}")
@@ -217,7 +217,8 @@ def measure(rate: str, out_path: str, sizes: str = DEFAULT_SIZES, repeats: int =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Predict each method's ms/update at added one-way latency from an "
+    p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench.latency",
+                                description="Predict each method's ms/update at added one-way latency from an "
                                 "alpha-beta fit of commprobe --sizes and a bench report.")
     p.add_argument("--measure", metavar="RATE", default="",
                    help="first run the probe on two fresh emulated nodes with links of RATE (e.g. 100mbit) and "
