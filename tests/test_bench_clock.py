@@ -11,8 +11,9 @@ before 2026-12-03, each evaluation drained ACCO's job off the clock, and ACCO lo
 per update faster when evaluated every update.) Both benches also check that every rank's
 training wall-clock plus its paused time is its process's own wall time, that each rank's
 breakdown (compute, blocked, optimizer, boundary, rest) adds up to its wall-clock within 5% with
-blocked ACCO's largest part on this link, and the second writes rank 0's timeline (``--trace``)
-with the training thread's and the jobs' events.
+blocked ACCO's largest part on this link, that ``engine.regime()`` finds the link's share and
+predicts ACCO's time, and the second writes rank 0's timeline (``--trace``) with the training
+thread's and the jobs' events.
 """
 import json
 import glob
@@ -74,6 +75,11 @@ def _bench(out, eval_every: int, trace: str = "") -> dict:
                 largest = max(("compute", "blocked", "optimizer", "boundary", "rest"), key=parts.get)
                 assert largest == "blocked", parts
                 assert s["job_ms"]["jobs"] >= 2 * (UPDATES - 1), s["job_ms"]
+                # engine.regime() reads the same regime off the job: mostly communication, and ACCO's
+                # bound max(T_compute, 2 T_comm) from its measured times is its measured time.
+                regime = s["regime"]
+                assert regime["communication_share"] > 0.5, regime
+                assert regime["predicted_s"]["ACCO"] == pytest.approx(measured / 1e3, rel=0.2), (regime, measured)
         assert not rows[method]["old_clock"]
     return rows
 

@@ -43,6 +43,7 @@ import resource
 import sys
 import time
 import traceback
+from typing import Optional
 
 
 def _sync_updates(text: str):
@@ -513,7 +514,8 @@ def run(args) -> dict:
                    corpus=corpus.describe(), torch_threads=torch.get_num_threads(),
                    breakdown_ms=per_update_ms(breakdown_at_updates, breakdown_updates),
                    job_ms=job_summary_ms(jobs_at_updates or {}),
-                   warmup_sync_updates=getattr(getattr(engine, "schedule", None), "warmup_sync_updates", None))
+                   warmup_sync_updates=getattr(getattr(engine, "schedule", None), "warmup_sync_updates", None),
+                   regime=_regime_record(engine))
     from .memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
     summary["memory"] = engine_memory(engine)
     with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
@@ -522,6 +524,16 @@ def run(args) -> dict:
         dist.barrier()
         dist.destroy_process_group()
     return summary
+
+
+def _regime_record(engine) -> Optional[dict]:
+    """What ``engine.regime()`` says (our engines), for the report."""
+    regime = engine.regime() if callable(getattr(engine, "regime", None)) else None
+    if regime is None:
+        return None
+    return dict(t_compute_s=regime.t_compute_s, t_comm_s=regime.t_comm_s, updates=regime.updates,
+                communication_share=regime.communication_share, predicted_s=regime.predicted_s,
+                fastest=regime.fastest)
 
 
 def _write_trace(args, clock) -> None:

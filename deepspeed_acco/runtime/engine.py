@@ -37,6 +37,7 @@ from .builder import build, local_rank
 from .comm import CommunicationError
 from .config import EngineConfig
 from .jobs import JobResult
+from .regime import Regime, RegimeMonitor
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
@@ -118,6 +119,7 @@ class AccoEngine(DeepSpeedEngine):
         self.recent_commits = collections.deque(maxlen=_RECENT_COMMITS)
         """Results of the latest installed commits (micro-batch counts, norms, skips, phase timings)."""
         self._module_hooks = [] if self.schedule.uneven_rounds else _register_module_hooks(self, model)
+        self._regime_monitor = RegimeMonitor(config)
         _track(self)
         batch = config.batch
         _log_rank0(f"engine ready: type={config.optimizer_type} ranks={self.world_size} "
@@ -156,6 +158,19 @@ class AccoEngine(DeepSpeedEngine):
     def communication_wait_s(self) -> float:
         """Cumulative seconds the training thread spent blocked waiting for communication jobs."""
         return self.schedule.total_wait_s
+
+    def regime(self) -> Optional[Regime]:
+        """Measured compute and communication time per update, the communication share, and each type's
+        predicted time per update from the bounds (runtime/regime.py; docs/design.md, "Where the time
+        goes"). The window is the one logged once at start-up (the synchronous warm-up, or the updates
+        after the first); before that, the updates since the first; None before the second update."""
+        return self._regime_monitor.regime(self.global_steps, self.time_breakdown())
+
+    def _note_regime(self) -> None:
+        message = self._regime_monitor.note(self.global_steps, self.time_breakdown(),
+                                            self.schedule.warmup_sync_updates)
+        if message:
+            _log_rank0(message)
 
     def time_breakdown(self) -> Dict[str, float]:
         """Cumulative seconds of this rank's training thread, per part: ``compute`` (forward and
@@ -668,6 +683,7 @@ class AccoEngine(DeepSpeedEngine):
             self._step_applied = True
         for name, seconds in result.timings_s.items():
             self._job_timings[name] = self._job_timings.get(name, 0.0) + seconds
+        self._note_regime()
         self._report_progress()
 
     def _report_progress(self) -> None:
