@@ -100,7 +100,7 @@ class AccoEngine(DeepSpeedEngine):
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.dataloader
         self.monitor = parts.monitor
-        self.schedule.on_commit = self._after_commit
+        self.schedule.on_commit = _weak_method(self._after_commit)
         self._failure: Optional[BaseException] = None
         self._losses: List[torch.Tensor] = []
         self._last_grad_norm: Optional[float] = None
@@ -693,6 +693,21 @@ class AccoEngine(DeepSpeedEngine):
                              f"deepspeed_acco's engine is a DeepSpeedEngine that does not run DeepSpeed's "
                              f"constructor, so DeepSpeed's internal state is not there; docs/hf.md lists the "
                              f"engine interface it implements")
+
+
+def _weak_method(method):
+    """``method`` as a callback that does not keep its object alive.
+
+    The schedule belongs to the engine; a bound method in it would make a cycle that only the garbage
+    collector frees, holding every buffer of the engine until it runs (docs/design.md, 9).
+    """
+    reference = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = reference()
+        if bound is not None:
+            bound(*args)
+    return call
 
 
 def _register_module_hooks(engine: AccoEngine, module: torch.nn.Module) -> list:
