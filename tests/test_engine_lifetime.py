@@ -1,5 +1,5 @@
 """What an engine keeps and for how long (docs/design.md, 9): ``destroy()`` and ``del`` free it without
-the garbage collector.
+the garbage collector, and no per-micro-batch record grows between progress reports.
 
 Several engines in one process (a hyper-parameter search, tests, a notebook) must not need
 ``gc.collect()``: on the first GPU run every type's engine outlived ``destroy(); del engine`` (2120
@@ -62,6 +62,53 @@ def _lifetime_worker(rank, world_size):
     return {"alive": alive, "dynamo_imported_before": dynamo_imported_before}
 
 
+def _loss_record_worker(rank, world_size):
+    import logging
+
+    import deepspeed_acco
+    messages = []
+
+    class Records(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("DeepSpeed.acco").addHandler(Records())
+    logging.getLogger("DeepSpeed.acco").setLevel(logging.INFO)
+    results = {}
+    for steps_per_print in (10 ** 9, 3):
+        model = TinyNet(seed=0)
+        engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=param_groups(model),
+                                               config=_config("ACCO", {}, steps_per_print))
+        losses, held, pending = [], [], []
+        for index in range(40):
+            x, y = batch(0, index)
+            loss = loss_fn(engine(x), y)
+            losses.append(float(loss))
+            engine.backward(loss)
+            engine.step()
+            held.append(_tensors_held(engine))
+            pending.append(engine._num_losses)  # drops to 0 where the step printed a report
+        results[steps_per_print] = {"losses": losses, "tensors_held": held, "pending": pending,
+                                    "loss_sum": None if engine._loss_sum is None else float(engine._loss_sum)}
+        engine.destroy()
+    results["messages"] = [m for m in messages if m.startswith("step=")]
+    return results
+
+
+def _tensors_held(engine):
+    """Tensors the engine's own attributes hold, directly or in a list, tuple or deque."""
+    import collections
+
+    import torch
+    count = 0
+    for value in vars(engine).values():
+        if isinstance(value, torch.Tensor):
+            count += 1
+        elif isinstance(value, (list, tuple, collections.deque)):
+            count += sum(isinstance(item, torch.Tensor) for item in value)
+    return count
+
+
 @pytest.mark.slow
 def test_destroy_and_del_free_every_engine_without_the_garbage_collector():
     result = run_distributed(_lifetime_worker, 1)[0]
@@ -69,3 +116,23 @@ def test_destroy_and_del_free_every_engine_without_the_garbage_collector():
         "the worker must build its process's first optimizer before anything imports torch._dynamo"
     leaks = {kind: names for kind, names in result["alive"].items() if names}
     assert not leaks, f"still alive after destroy() and del, with the garbage collector off: {leaks}"
+
+
+@pytest.mark.slow
+def test_losses_between_reports_are_a_running_sum():
+    result = run_distributed(_loss_record_worker, 1)[0]
+    rare = result[10 ** 9]
+    # No report in 40 micro-batches: the engine keeps one sum, not one tensor per micro-batch.
+    assert rare["pending"] == list(range(1, 41))
+    assert rare["loss_sum"] == pytest.approx(sum(rare["losses"]), rel=1e-6)
+    assert len(set(rare["tensors_held"])) == 1, f"the engine holds more tensors as it trains: {rare['tensors_held']}"
+    # Reported every 3 updates: each report is the mean of the losses since the previous one.
+    frequent = result[3]
+    expected, start = [], 0
+    for index, pending in enumerate(frequent["pending"]):
+        if pending == 0:
+            expected.append(sum(frequent["losses"][start:index + 1]) / (index + 1 - start))
+            start = index + 1
+    reported = [float(m.split("loss=")[1].split()[0]) for m in result["messages"]]
+    assert len(expected) >= 5 and len(reported) == len(expected)
+    assert reported == pytest.approx(expected, abs=1e-4)  # the log prints 4 decimals

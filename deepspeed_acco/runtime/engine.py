@@ -102,7 +102,10 @@ class AccoEngine(DeepSpeedEngine):
         self.monitor = parts.monitor
         self.schedule.on_commit = _weak_method(self._after_commit)
         self._failure: Optional[BaseException] = None
-        self._losses: List[torch.Tensor] = []
+        self._loss_sum: Optional[torch.Tensor] = None
+        """Sum of the micro-batch losses since the last progress report, in float64 on the loss's device:
+        a running sum, so an engine that reports rarely (``steps_per_print`` 10**9) keeps one tensor."""
+        self._num_losses = 0
         self._last_grad_norm: Optional[float] = None
         self._step_applied = False
         self._job_timings: Dict[str, float] = {}
@@ -195,7 +198,10 @@ class AccoEngine(DeepSpeedEngine):
         multiplier = 1.0 if scale_wrt_gas else float(accumulation)
         for flat in self.optimizer.flats:
             flat.accumulate_grads(multiplier)
-        self._losses.append(loss.detach() * multiplier)
+        # float64 and in feeding order: the report's mean equals a Python sum of the losses read one by one.
+        value = (loss.detach() * multiplier).double()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._num_losses += 1
         if self._caller_boundary is not None:
             self._guard(self._caller_micro_batch_done)
         return loss / accumulation if scale_wrt_gas else loss
@@ -658,12 +664,11 @@ class AccoEngine(DeepSpeedEngine):
         interval = self.engine_config.steps_per_print
         progress = self.schedule.progress
         if interval is None:  # never printed (Accelerate sets infinity): keep no losses either
-            self._losses.clear()
+            self._forget_losses()
             return
         if progress.global_steps % interval:
             return
-        losses = [float(loss) for loss in self._losses]
-        mean_loss = sum(losses) / len(losses) if losses else float("nan")
+        mean_loss = float(self._loss_sum) / self._num_losses if self._num_losses else float("nan")
         message = (f"step={progress.global_steps} skipped={progress.skipped_steps} samples={progress.global_samples} "
                    f"lr={self.get_lr()} loss={mean_loss:.4f} grad_norm={self._last_grad_norm:.4g}")
         if self.engine_config.wall_clock_breakdown:
@@ -678,7 +683,11 @@ class AccoEngine(DeepSpeedEngine):
                                        ("Train/Samples/lr", self.get_lr()[0], progress.global_samples),
                                        ("Train/Samples/communication_wait_s", self.communication_wait_s,
                                         progress.global_samples)])
-        self._losses.clear()
+        self._forget_losses()
+
+    def _forget_losses(self) -> None:
+        self._loss_sum = None
+        self._num_losses = 0
 
     def __getattr__(self, name):
         # Like DeepSpeed's engine: unknown attributes come from the wrapped module.
