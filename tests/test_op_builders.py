@@ -92,6 +92,47 @@ def test_forced_backend_raises_when_it_cannot_build(fresh_backend):
         ops.backend("cpu")
 
 
+def _cuda_build_fails(fresh_backend):
+    def broken(device_type):
+        if device_type == "cuda":
+            raise RuntimeError("nvcc fatal : Unsupported gpu architecture 'compute_90b'")
+        raise AssertionError(f"only the CUDA kernels should be loaded, not {device_type}'s")
+
+    fresh_backend.setattr(_backend, "_load", broken)
+
+
+def test_cuda_kernels_that_cannot_build_raise_and_name_the_opt_in(fresh_backend):
+    # The first GPU run trained on the reference after a failed build, with one line in the log.
+    _cuda_build_fails(fresh_backend)
+    with pytest.raises(RuntimeError) as raised:
+        ops.backend("cuda")
+    message = str(raised.value)
+    assert "Unsupported gpu architecture 'compute_90b'" in message, "the build's error must be shown"
+    assert f"{_backend.ENV_VAR}=torch" in message, "the explicit opt-in must be named"
+    fresh_backend.setenv(_backend.ENV_VAR, "torch")
+    _backend.reset()
+    assert ops.backend("cuda") == "torch"
+
+
+def test_initialize_decides_the_cuda_kernels_before_it_builds_anything(fresh_backend):
+    import deepspeed_acco
+    from deepspeed_acco.runtime import initialize as initialize_module
+
+    _cuda_build_fails(fresh_backend)
+    # A CUDA rank as initialize sees it, without a GPU: its device, and a process group of one.
+    fresh_backend.setattr(initialize_module, "device_for_backend", lambda: torch.device("cuda", 0))
+    fresh_backend.setattr(initialize_module, "init_distributed", lambda timeout_s: None)
+    fresh_backend.setattr(initialize_module.dist, "get_world_size", lambda group=None: 1)
+    built = []
+    fresh_backend.setattr(initialize_module, "AccoEngine", lambda **kwargs: built.append(kwargs))
+    model = torch.nn.Linear(4, 2)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "ACCO", "params": {"lr": 1e-3}}}
+    with pytest.raises(RuntimeError, match=f"{_backend.ENV_VAR}=torch"):
+        deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert not built, "the engine (and its process groups) must not be built on the way to the error"
+
+
 # ---------------------------------------------------------------------------------------------
 # Op builders and build checks
 # ---------------------------------------------------------------------------------------------

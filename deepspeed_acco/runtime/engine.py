@@ -126,7 +126,7 @@ class AccoEngine(DeepSpeedEngine):
         _log_rank0(f"engine ready: type={config.optimizer_type} ranks={self.world_size} "
                    f"train_batch_size={batch.train_batch_size} micro_batch={batch.micro_batch_size} "
                    f"accumulation={batch.gradient_accumulation_steps} precision={config.precision} "
-                   f"overlap={self.schedule.overlap} update_backend={ops.backend()}{_compression_note(config)}")
+                   f"overlap={self.schedule.overlap} update_backend={ops.backend(device)}{_compression_note(config)}")
         self.defaults_note = parts.defaults_note
         """What the defaults did for this config, logged once here (docs/design.md, 2 "Defaults")."""
         if self.defaults_note:

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from .builder import device_for_backend
 from .comm import prepare_nccl_environment
 from .config import load_config, optimizer_type, parse_config
@@ -189,6 +190,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         acco_config = parse_config(config_dict, dist.get_world_size())
     device = device_for_backend()
     _import_torch_dynamo_off_the_stack()
+    # Decides the update kernels before any group of ours exists: on CUDA a kernel that cannot be built
+    # raises here with the build's error instead of training on the slower torch reference (ops/_backend.py).
+    ops.backend(device)
     engine = AccoEngine(model=model, param_groups=param_groups, config=acco_config, lr_scheduler=lr_scheduler,
                         training_data=training_data, collate_fn=collate_fn, device=device)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
