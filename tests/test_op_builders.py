@@ -194,18 +194,65 @@ def _nvcc():
     return nvcc
 
 
-def test_nvcc_compiles_every_cu_file(tmp_path):
+# (TORCH_CUDA_ARCH_LIST, the -gencode flags torch derives from it). "9.0a" is what the lent H200's
+# image sets; DeepSpeed 0.19.8's own parser fails on it with "invalid literal for int()".
+ARCH_LISTS = [
+    ("9.0a", ["-gencode=arch=compute_90a,code=sm_90a"]),
+    ("9.0;10.0a+PTX", ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_100a,code=sm_100a",
+                       "-gencode=arch=compute_100a,code=compute_100a"]),
+    ("8.0 8.6", ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_86,code=sm_86"]),
+]
+
+
+@pytest.mark.parametrize("jit_mode", [True, False], ids=["jit", "ahead-of-time"])
+@pytest.mark.parametrize("arch_list, expected", ARCH_LISTS, ids=[a for a, _ in ARCH_LISTS])
+def test_cuda_builder_reads_the_arch_list_as_torch_does(monkeypatch, arch_list, expected, jit_mode):
+    from torch.utils import cpp_extension
+
+    from deepspeed_acco.op_builder import AccoCUDAOpsBuilder
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    builder = AccoCUDAOpsBuilder()
+    builder.jit_mode = jit_mode
+    args = builder.nvcc_args()
+    assert sorted(arg for arg in args if "arch=" in arg) == sorted(expected)
+    assert builder.enable_bf16, "every architecture listed is sm_80 or newer"
+    # torch adds no architecture of its own to a build whose nvcc flags already name one, and the
+    # variable is left as the user set it.
+    assert cpp_extension._get_cuda_arch_flags(args) == []
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == arch_list
+
+
+def test_cuda_builder_refuses_an_arch_list_torch_refuses(monkeypatch):
+    from deepspeed_acco.op_builder import AccoCUDAOpsBuilder
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;9.0b")
+    with pytest.raises(ValueError, match=r"TORCH_CUDA_ARCH_LIST='9.0;9.0b'.*9\.0b"):
+        AccoCUDAOpsBuilder().nvcc_args()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5 8.0")
+    builder = AccoCUDAOpsBuilder()
+    builder.nvcc_args()
+    assert not builder.enable_bf16, "sm_75 has no bf16 arithmetic"
+
+
+def test_nvcc_compiles_every_cu_file_with_the_builders_flags(tmp_path, monkeypatch):
+    # The builder's own nvcc arguments, for sm_90 and the architecture-specific sm_90a at once.
     nvcc = _nvcc()
+    from deepspeed_acco.op_builder import AccoCUDAOpsBuilder
     from deepspeed_acco.op_builder.cuda_ops import TORCH_NVCC_DEFINES
 
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;9.0a")
+    flags = AccoCUDAOpsBuilder().nvcc_args()
     cu_files = sorted(CSRC.rglob("*.cu"))
     assert cu_files, "no .cu files found under csrc/"
     for cu in cu_files:
-        cmd = [nvcc, "-arch=sm_90", "-std=c++17", "-O3", "-I", str(CSRC / "includes"), *TORCH_NVCC_DEFINES, "-c",
-               str(cu), "-o", str(tmp_path / (cu.stem + ".o"))]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        cmd = [nvcc, *flags, "--resource-usage", "-std=c++17", "-I", str(CSRC / "includes"), *TORCH_NVCC_DEFINES,
+               "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o"))]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
         assert "warning" not in result.stderr.lower(), result.stderr
+        for arch in ("sm_90", "sm_90a"):
+            assert f"for '{arch}'" in result.stdout + result.stderr, f"{cu.name} was not compiled for {arch}"
 
 
 def test_cuda_frontend_compiles_against_torch_and_cuda_headers(tmp_path):
