@@ -235,6 +235,22 @@ def test_cuda_builder_refuses_an_arch_list_torch_refuses(monkeypatch):
     assert not builder.enable_bf16, "sm_75 has no bf16 arithmetic"
 
 
+@pytest.mark.parametrize("arch_list, for_deepspeed", [
+    ("9.0a", "9.0"), ("9.0;10.0a+PTX", "9.0;10.0+PTX"), ("8.0 8.6", "8.0;8.6"), ("Hopper", "9.0+PTX"), ("", "")])
+def test_arch_list_for_deepspeeds_own_builders(monkeypatch, arch_list, for_deepspeed):
+    # benchmarks/gpu_check.sh builds DeepSpeed's FusedAdam for the e2e step under the image's list.
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from deepspeed_acco.op_builder.cuda_ops import deepspeed_arch_list
+
+    assert deepspeed_arch_list(arch_list) == for_deepspeed
+    if for_deepspeed:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", for_deepspeed)
+        builder = FusedAdamBuilder()
+        builder.jit_mode = False
+        assert builder.compute_capability_args(), "DeepSpeed's parser reads the list"
+
+
 def test_nvcc_compiles_every_cu_file_with_the_builders_flags(tmp_path, monkeypatch):
     # The builder's own nvcc arguments, for sm_90 and the architecture-specific sm_90a at once.
     nvcc = _nvcc()

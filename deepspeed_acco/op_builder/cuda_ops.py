@@ -68,6 +68,22 @@ def arch_flags(arch_list: Optional[str]) -> List[str]:
                              f"10.0a+PTX, separated by ';' or spaces") from error
 
 
+def deepspeed_arch_list(arch_list: Optional[str]) -> str:
+    """``arch_list`` as DeepSpeed's own op builders (its FusedAdam) can read it: "X.Y[+PTX]" entries only.
+
+    DeepSpeed 0.19.8 parses every entry with ``int()``, so architecture-specific entries ("9.0a")
+    and torch's names ("Hopper") fail its builds; they become the generic architecture ("9.0"), whose
+    code runs on the same devices without the architecture-specific instructions, which DeepSpeed's
+    kernels do not use. Empty stays empty: DeepSpeed then compiles for the visible devices.
+    """
+    if not (arch_list or "").strip():
+        return ""
+    flags = arch_flags(arch_list)
+    with_ptx = {int(match) for flag in flags for match in re.findall(r"code=compute_(\d+)", flag)}
+    return ";".join(f"{capability // 10}.{capability % 10}" + ("+PTX" if capability in with_ptx else "")
+                    for capability in sorted(set(_compute_capabilities(flags))))
+
+
 def _compute_capabilities(flags: List[str]) -> List[int]:
     """The compute capabilities (90 for both compute_90 and compute_90a) that ``-gencode`` flags compile for."""
     return [int(match) for flag in flags for match in re.findall(r"arch=compute_(\d+)", flag)]
