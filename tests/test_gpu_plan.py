@@ -1,6 +1,6 @@
 """The GPU check's plan and runner (benchmarks/gpu_check.sh) and what pytest prebuilds (tests/conftest.py).
 
-GPU time is scarce (docs/gpu.md, "The GPU check"): the check's steps run in order of value under
+GPU time is scarce (docs/gpu_check.md): the check's steps run in order of value under
 caps that sum to at most 480 s, each step's result is in the output folder as soon as it ends,
 and pytest on a CUDA machine compiles none of DeepSpeed's ops for tests that do not run DeepSpeed.
 The runner is exercised here with a stand-in python and nvidia-smi, so no GPU is needed.

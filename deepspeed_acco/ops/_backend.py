@@ -7,7 +7,7 @@ Decided once per device type and cached, so a dispatch costs one dict lookup:
 * CUDA is strict (docs/design.md, 9): if the CUDA kernels cannot be built or loaded, the first
   dispatch (``deepspeed_acco.initialize`` makes it before building anything) raises with the
   build's error. A GPU job that silently ran on the reference would run at a fraction of the
-  speed with nothing to say so (it happened on the first GPU run, docs/gpu.md).
+  speed with nothing to say so (it happened on the first GPU run, docs/gpu_check.md).
 * The CPU falls back: if its kernels cannot be built (no compiler, no OpenMP), CPU tensors use the
   torch reference and a single warning says why; the package keeps working everywhere.
 * ``DEEPSPEED_ACCO_KERNELS=torch`` uses the reference everywhere, the explicit opt-in on CUDA;
@@ -79,7 +79,7 @@ def _resolve(device_type: str):
             raise RuntimeError(
                 f"deepspeed_acco: the fused CUDA kernels could not be built or loaded, and the engine does not fall "
                 f"back on its own to the torch reference (separate torch operations instead of one fused pass). Fix the build (the error "
-                f"follows; docs/gpu.md, \"Running on GPUs\"), or set {ENV_VAR}=torch to run the torch reference on "
+                f"follows; docs/gpu.md, \"The fused CUDA kernels\"), or set {ENV_VAR}=torch to run the torch reference on "
                 f"purpose.\n{err}") from err
         reason = " ".join(str(err).split())
         if len(reason) > _MAX_REASON_CHARS:
