@@ -54,6 +54,10 @@ METHODS = ["floor", "torch", "deepspeed", *OUR_TYPES]
 # Doubling the micro-batch must cost at least this much more time for the floor to count as compute-bound.
 COMPUTE_BOUND_GROWTH = 1.8
 LARGEST_MICRO_BATCH = 1024
+# fp32 runs at a quarter of the measured bf16 micro-batch: fp32 matmuls run at a small fraction of the
+# bf16 rate (no tensor cores without TF32), so a quarter is at least as compute-bound, and its fp32
+# activations take half the memory of the bf16 run's.
+FP32_MICRO_BATCH_DIVISOR = 4
 # Dense bf16 tensor throughput (no sparsity) from NVIDIA's data sheets, FLOP/s, by device-name fragment.
 BF16_PEAK_FLOPS = {"H200": 989.4e12, "H100 SXM": 989.4e12, "H100 80GB HBM3": 989.4e12, "H100 PCIe": 756.5e12,
                    "A100": 312e12}
@@ -284,7 +288,8 @@ def measure(bench: Bench, method: str, precision: str, updates: int, repeats: in
     left_after_gc = bench.back_at(baseline)
     ms = statistics.median(result["samples_ms"])
     tokens_per_update = bench.micro_batch * bench.accumulation * bench.args.ctx
-    result.update(method=method, precision=precision, ms_per_update=ms, tokens_per_s=tokens_per_update / ms * 1e3,
+    result.update(method=method, precision=precision, micro_batch=bench.micro_batch, ms_per_update=ms,
+                  tokens_per_s=tokens_per_update / ms * 1e3,
                   mfu=None if bench.peak_flops is None else bench.flops_per_token * tokens_per_update / (ms * 1e-3)
                   / bench.peak_flops,
                   peak_memory_bytes=peak, freed_without_gc=left_without_gc == 0 and alive_without_gc == 0,
@@ -338,16 +343,17 @@ def _mib(value):
 
 
 def report(bench: Bench, results: list, found: list) -> None:
-    print("\n| method | precision | ms/update | tokens/s | MFU | peak memory over baseline (MiB) | "
-          "freed by destroy/del without gc |\n|---|---|---:|---:|---:|---:|---|")
+    print("\n| method | precision | micro-batch | ms/update | tokens/s | MFU | peak memory over baseline (MiB) | "
+          "freed by destroy/del without gc |\n|---|---|---:|---:|---:|---:|---:|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['method']} | {r['precision']} | failed: {r['error'][:80]} | | | | |")
+            print(f"| {r['method']} | {r['precision']} | | failed: {r['error'][:80]} | | | | |")
             continue
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         freed = "yes" if r["freed_without_gc"] else \
             f"no ({r['alive_without_gc']} objects alive, {_mib(r['left_without_gc_bytes'])} MiB left)"
-        print(f"| {r['method']} | {r['precision']} | {r['ms_per_update']:.1f} | {r['tokens_per_s']:.0f} | {mfu} | "
+        print(f"| {r['method']} | {r['precision']} | {r['micro_batch']} | {r['ms_per_update']:.1f} | "
+              f"{r['tokens_per_s']:.0f} | {mfu} | "
               f"{_mib(r['peak_memory_bytes'])} | {freed} |")
     print("\n### targets (bf16, at the micro-batch above)")
     for target in found:
@@ -361,7 +367,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ctx", type=int, default=256)
     parser.add_argument("--micro-batch", default="auto", help="'auto' (measured, module docstring) or a number")
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per update (even, for ACCO)")
-    parser.add_argument("--precisions", default="bf16,fp32")
+    parser.add_argument("--precisions", default="bf16,fp32", help="comma-separated subset of bf16,fp32")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--warmup", type=int, default=2, help="updates before timing (kernels loaded, caches warm)")
     parser.add_argument("--updates", type=int, default=4, help="updates per timed repeat")
@@ -373,6 +379,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"--methods: unknown {unknown}; choose from {METHODS}")
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if not precisions or set(precisions) - {"bf16", "fp32"}:
+        parser.error(f"--precisions: {args.precisions!r}; give bf16, fp32 or both, comma-separated")
 
     # One rank, as a launcher would start it: DeepSpeed's initialize needs the variables (without them it
     # looks for MPI), and our engines then join the same default group.
@@ -392,13 +401,17 @@ def main(argv=None) -> int:
         choice = choose_micro_batch(bench)
     else:
         choice = {"chosen": 4 if args.micro_batch == "auto" else int(args.micro_batch), "given": True}
-    bench.set_micro_batch(choice["chosen"])
+    measured = "given" not in choice
+    micro_batches = {"bf16": choice["chosen"],
+                     "fp32": max(1, choice["chosen"] // FP32_MICRO_BATCH_DIVISOR) if measured else choice["chosen"]}
+    choice["by_precision"] = micro_batches
     from deepspeed_acco import ops
     kernels = ops.backend(bench.device)
-    print(f"# end-to-end: model {bench.model_name} ({num_params:,} parameters, ctx {args.ctx}), micro-batch "
-          f"{bench.micro_batch} x {args.accumulation} per update ({'measured' if 'given' not in choice else 'given'}), "
+    print(f"# end-to-end: model {bench.model_name} ({num_params:,} parameters, ctx {args.ctx}), micro-batches "
+          f"{micro_batches} x {args.accumulation} per update ({'measured' if measured else 'given'}), "
           f"world size 1 on {bench.device_name}, torch {torch.__version__}; update kernels of our engine: {kernels}; "
-          f"bf16 peak {'unknown' if bench.peak_flops is None else f'{bench.peak_flops / 1e12:.0f} TFLOP/s'}", flush=True)
+          f"bf16 peak {'unknown' if bench.peak_flops is None else f'{bench.peak_flops / 1e12:.0f} TFLOP/s'}",
+          flush=True)
     results = []
 
     def write_json(found=None):  # after every method, so that a run stopped at its time cap keeps what ran
@@ -408,7 +421,8 @@ def main(argv=None) -> int:
                                              "accumulation": args.accumulation, "update_kernels": kernels,
                                              "results": results, "targets": found}, indent=2))
 
-    for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+    for precision in precisions:
+        bench.set_micro_batch(micro_batches[precision])
         for method in methods:
             try:
                 result = measure(bench, method, precision, args.updates, args.repeats, args.warmup)

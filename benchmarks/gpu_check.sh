@@ -142,7 +142,7 @@ finish() {  # record the steps not run, print the summary with the key results, 
     done
     write_summary
     {
-        sed -n '/^| method | precision | ms\/update/,/^$/p' "$OUT/steps.log"
+        sed -n '/^| method | precision | micro-batch/,/^$/p' "$OUT/steps.log"
         sed -n '/^### targets/,/targets met/p' "$OUT/steps.log"
         if [ "$FAILED" -ne 0 ]; then echo "GPU CHECK FAILED"
         elif [ "$NOT_RUN" -ne 0 ]; then echo "GPU CHECK INCOMPLETE"

@@ -77,10 +77,10 @@ def _resolve(device_type: str):
             raise RuntimeError(f"{ENV_VAR}={choice} but the fused {device_type} kernels are unavailable: {err}") from err
         if device_type == "cuda":
             raise RuntimeError(
-                f"deepspeed_acco: the fused CUDA kernels could not be built or loaded, and the engine does not fall "
-                f"back on its own to the torch reference (separate torch operations instead of one fused pass). Fix the build (the error "
-                f"follows; docs/gpu.md, \"The fused CUDA kernels\"), or set {ENV_VAR}=torch to run the torch reference on "
-                f"purpose.\n{err}") from err
+                f"deepspeed_acco: the fused CUDA kernels could not be built or loaded, and the engine does not "
+                f"fall back on its own to the torch reference (separate torch operations instead of one fused "
+                f"pass). Fix the build (the error follows; docs/gpu.md, \"The fused CUDA kernels\"), or set "
+                f"{ENV_VAR}=torch to run the torch reference on purpose.\n{err}") from err
         reason = " ".join(str(err).split())
         if len(reason) > _MAX_REASON_CHARS:
             reason = reason[:_MAX_REASON_CHARS] + f"... (set {ENV_VAR}={device_type} to see the full error)"
