@@ -36,7 +36,7 @@ PLAN=(
     "kernel_tests|45|197 CUDA kernel and lane tests (tests/test_ops_kernels.py, test_quantize_kernels.py, test_lane.py, 'cuda' selection, no compile): sizes up to 1M, under a millisecond each on the GPU; pytest start and CUDA context 10-15 s"
     "kernel_bench|45|benchmarks/kernels.py at 128M and 256M: about 20 cases x 2 sizes x 3 rounds x 0.25 s = 30 s, plus allocation; the copy moves about 4.3 TB/s, so one 256M AdamW pass takes about 2 ms"
     "engine_tests|90|tests/test_gpu_engine.py: 5 spawned processes (4 parity runs over every type, 1 without host synchronisation over every type), each about 10 s of imports and NCCL set-up plus seconds of TinyNet steps"
-    "e2e|140|benchmarks/e2e_step_time.py: the floor measured at micro-batches 8, 16, ... until it grows with them (about 3 s each), then 7 methods x 2 precisions x 7 updates at the chosen size; at a micro-batch of 256 (131k tokens per update) a 125m update takes about 0.2 s in bf16 and 1 s in fp32 (its FLOPs at 40% and 7% of the H200's bf16 peak), model builds about 2 s each; not yet timed"
+    "e2e|140|benchmarks/e2e_step_time.py: the floor measured at micro-batches 8, 16, ... until it grows with them (about 3 s each), then 7 methods x 2 precisions x 7 updates; at a bf16 micro-batch of 256 (131k tokens per update) a 125m update takes about 0.2 s (its FLOPs at 40% of the H200's bf16 peak), fp32 at a quarter of that size about 0.25 s (7%), model builds about 2 s each; not yet timed"
     "example|20|examples/train_gpt.py with the tiny model for 6 updates, as a user runs it: imports and start-up dominate"
 )
 BUDGET_S=480
