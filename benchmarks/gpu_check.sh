@@ -15,29 +15,29 @@
 #
 # Output folder: $OUT (the device tool's, which comes back) or build/gpu_check/<date-time>. At most
 # five files, none in a subfolder (the device tool returns at most 8, two folders deep), described
-# in docs/gpu.md ("The GPU check"):
+# in docs/gpu_check.md ("Output"):
 #   summary.txt      one line per step (PASS / FAIL / NOT RUN / RUNNING), rewritten at every step
 #   steps.log        every step's output, appended while it runs
-#   environment.txt  GPU, driver, nvcc, python, torch (CUDA, NCCL), deepspeed, our modules
+#   environment.txt  GPU, driver, nvcc, python, torch (CUDA, NCCL), deepspeed, TORCH_CUDA_ARCH_LIST
 #   kernels.json     benchmarks/kernels.py on the GPU: every kernel against the device copy
-#   e2e.json         benchmarks/e2e_step_time.py: ms/update of the 125M model per type
+#   e2e.json         benchmarks/e2e_step_time.py: the floor, torch, DeepSpeed ZeRO-1 and our types per precision
 # Exit status: 0 every step passed, 1 a step failed, 2 a step did not run (budget spent).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
 # The plan, in order of value: name|cap in seconds|basis of the estimate. The caps sum to 480 s,
 # which leaves a device call of 540 s a minute for the transfers, and the 15 minutes of device time
-# room for the machine's start. Nothing has run on a GPU yet: the bases are measurements on this
-# project's CPU machines and KINDS.md's H200 readings, with a margin.
+# room for the machine's start. The bases: the first run on an H200 (2026-12-04, docs/gpu_check.md:
+# install 7 s, environment 11 s, build 41 s, the whole check 273 s) and estimates where a step changed.
 PLAN=(
-    "install|25|pip installs the 6 carried wheels (.whl/, benchmarks/gpu_wheels.sh, 4.8 MB) from local files, no index and no compile: 2 s for the 5 pure-Python ones here; skipped if deepspeed imports"
-    "environment|20|nvidia-smi, nvcc --version, and one python that imports torch, deepspeed and deepspeed_acco: about 10 s"
-    "build|120|our CUDA op for the device's architecture only (JIT: sm_90) and our CPU op, once, into build/torch_extensions; the two .cu files compile for sm_90 in 6 s and 5 s on 2 busy CPU cores here, each C++ frontend against torch's headers in 30-60 s, ninja runs them in parallel on 16 cores"
-    "kernel_tests|45|198 CUDA kernel and lane tests (tests/test_ops_kernels.py, test_quantize_kernels.py, test_lane.py, 'cuda' selection, no compile): sizes up to 1M, under a millisecond each on the GPU; pytest start and CUDA context 10-15 s"
-    "kernel_bench|60|benchmarks/kernels.py at 128M and 256M: about 20 cases x 2 sizes x 3 rounds x 0.25 s = 30 s, plus allocation; the copy moves about 4.3 TB/s (KINDS.md), so one 256M AdamW pass takes about 2 ms"
-    "engine_tests|120|tests/test_gpu_engine.py: 5 spawned processes (4 parity runs over every type, 1 without host synchronisation), each about 10 s of imports and NCCL set-up plus seconds of TinyNet steps; the CPU run about 20 s"
-    "e2e|65|benchmarks/e2e_step_time.py, 125M model, 4 types x overlap on/off, 2 + 2 x 6 updates each: model builds about 2 s each, updates tens of ms"
-    "example|25|examples/train_gpt.py with the tiny model for 6 updates, as a user runs it: imports and start-up dominate"
+    "install|20|pip installs the 6 carried wheels (.whl/, benchmarks/gpu_wheels.sh, 4.8 MB) from local files, no index and no compile: 7 s on the H200 on 2026-12-04; skipped if deepspeed imports"
+    "environment|20|nvidia-smi, nvcc --version, and one python that imports torch, deepspeed and deepspeed_acco: 11 s on 2026-12-04"
+    "build|100|our CUDA op (under the image's TORCH_CUDA_ARCH_LIST) and CPU op: 41 s on 2026-12-04; DeepSpeed's FusedAdam for the e2e step at the same time (one .cu file and its frontend, not yet timed: about the size of one of ours)"
+    "kernel_tests|45|197 CUDA kernel and lane tests (tests/test_ops_kernels.py, test_quantize_kernels.py, test_lane.py, 'cuda' selection, no compile): sizes up to 1M, under a millisecond each on the GPU; pytest start and CUDA context 10-15 s"
+    "kernel_bench|45|benchmarks/kernels.py at 128M and 256M: about 20 cases x 2 sizes x 3 rounds x 0.25 s = 30 s, plus allocation; the copy moves about 4.3 TB/s, so one 256M AdamW pass takes about 2 ms"
+    "engine_tests|90|tests/test_gpu_engine.py: 5 spawned processes (4 parity runs over every type, 1 without host synchronisation over every type), each about 10 s of imports and NCCL set-up plus seconds of TinyNet steps"
+    "e2e|140|benchmarks/e2e_step_time.py: the floor measured at micro-batches 8, 16, ... until it grows with them (about 3 s each), then 7 methods x 2 precisions x 7 updates; at a bf16 micro-batch of 256 (131k tokens per update) a 125m update takes about 0.2 s (its FLOPs at 40% of the H200's bf16 peak), fp32 at a quarter of that size about 0.25 s (7%), model builds about 2 s each; not yet timed"
+    "example|20|examples/train_gpt.py with the tiny model for 6 updates, as a user runs it: imports and start-up dominate"
 )
 BUDGET_S=480
 
@@ -142,7 +142,7 @@ finish() {  # record the steps not run, print the summary with the key results, 
     done
     write_summary
     {
-        sed -n '/^| type | overlap on/,/^$/p' "$OUT/steps.log"
+        sed -n '/^| method | precision | micro-batch/,/^$/p' "$OUT/steps.log"
         sed -n '/^### targets/,/targets met/p' "$OUT/steps.log"
         if [ "$FAILED" -ne 0 ]; then echo "GPU CHECK FAILED"
         elif [ "$NOT_RUN" -ne 0 ]; then echo "GPU CHECK INCOMPLETE"
@@ -176,12 +176,14 @@ step install bash -c install_wheels || finish
 
 # 2. environment: what ran where, also in environment.txt.
 ENVIRONMENT_PY='
+import os
 import sys
 import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda)
 assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
 print("device", torch.cuda.get_device_name(), "| capability", torch.cuda.get_device_capability(),
       "| count", torch.cuda.device_count(), "| NCCL", torch.cuda.nccl.version())
+print("TORCH_CUDA_ARCH_LIST", repr(os.environ.get("TORCH_CUDA_ARCH_LIST")))
 from torch.utils.cpp_extension import CUDA_HOME, verify_ninja_availability
 verify_ninja_availability()
 print("CUDA_HOME", CUDA_HOME)
@@ -202,17 +204,48 @@ export -f environment
 export ENVIRONMENT_PY
 step environment bash -c 'environment 2>&1 | tee "$0"; exit "${PIPESTATUS[0]}"' "$OUT/environment.txt" || finish
 
-# 3. build: our CUDA op (a build failure fails the check: no silent fallback) and our CPU op, once.
+# 3. build: our CUDA op under the image's TORCH_CUDA_ARCH_LIST as it is (a failure fails the check:
+# the engine would refuse to train without it) and our CPU op; meanwhile DeepSpeed's FusedAdam for
+# the e2e step's ZeRO-1, under the list DeepSpeed's parser reads (9.0a as 9.0). Its failure is
+# printed here and fails the e2e step's DeepSpeed run, not the check.
 BUILD_PY='
 import time
+from deepspeed_acco import ops
 from deepspeed_acco.op_builder import AccoCPUOpsBuilder, AccoCUDAOpsBuilder
 for builder in (AccoCUDAOpsBuilder(), AccoCPUOpsBuilder()):
     assert builder.is_compatible(verbose=True), builder.error_log
     start = time.time()
     module = builder.load(verbose=False)
     print(f"{builder.absolute_name()} loaded from {module.__file__} in {time.time() - start:.1f} s", flush=True)
+print("update kernels for CUDA tensors:", ops.backend("cuda"), "| for CPU tensors:", ops.backend("cpu"), flush=True)
 '
-step build env DEEPSPEED_ACCO_KERNELS=cuda "$PY" -c "$BUILD_PY" || finish
+DEEPSPEED_BUILD_PY='
+import os, time
+from deepspeed_acco.op_builder.cuda_ops import ARCH_LIST_ENV, deepspeed_arch_list
+listed = os.environ.get(ARCH_LIST_ENV)
+if listed:
+    os.environ[ARCH_LIST_ENV] = deepspeed_arch_list(listed)
+    print(f"DeepSpeed FusedAdam: {ARCH_LIST_ENV}={listed!r} read as {os.environ[ARCH_LIST_ENV]!r}", flush=True)
+from deepspeed.accelerator import get_accelerator
+start = time.time()
+get_accelerator().create_op_builder("FusedAdamBuilder").load(verbose=False)
+print(f"DeepSpeed FusedAdam built in {time.time() - start:.1f} s", flush=True)
+'
+build() {
+    local log=/tmp/acco_deepspeed_build.log ours deepspeed_rc
+    "$PY" -c "$DEEPSPEED_BUILD_PY" >"$log" 2>&1 &
+    local deepspeed_pid=$!
+    "$PY" -c "$BUILD_PY"
+    ours=$?
+    wait "$deepspeed_pid"
+    deepspeed_rc=$?
+    tail -n 20 "$log"
+    [ "$deepspeed_rc" -eq 0 ] || echo "DeepSpeed's FusedAdam did not build (rc=$deepspeed_rc): the e2e step's deepspeed run will fail"
+    return "$ours"
+}
+export -f build
+export BUILD_PY DEEPSPEED_BUILD_PY
+step build bash -c build || finish
 
 # 4. kernel_tests: the CUDA kernels against the torch reference, the controlled entry points, the
 # lane's CUDA tests. No compile: the nvcc checks duplicate the build step, and no test selected
@@ -228,8 +261,10 @@ step kernel_bench "$PY" benchmarks/kernels.py --device cuda --sizes "$SIZES" --j
 # without_deepspeed_ops, so pytest builds none of DeepSpeed's ops (its CUDA FusedAdam).
 step engine_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_engine.py
 
-# 7. e2e: ms/update of the example's 125M model per type, overlap on and off.
-step e2e "$PY" benchmarks/e2e_step_time.py --warmup 2 --updates 6 --repeats 2 --json "$OUT/e2e.json"
+# 7. e2e: at a compute-bound micro-batch (measured), the forward-backward floor, a plain PyTorch loop,
+# DeepSpeed ZeRO-1 and our four types, bf16 then fp32: ms/update, tokens/s, MFU, peak memory, and
+# every engine of ours freed by destroy() and del without the garbage collector.
+step e2e "$PY" benchmarks/e2e_step_time.py --warmup 1 --updates 3 --repeats 2 --json "$OUT/e2e.json"
 
 # 8. example: the example script as a user runs it.
 step example "$PY" examples/train_gpt.py --deepspeed_config examples/configs/acco.json --model tiny --ctx 64 \

@@ -1,10 +1,11 @@
 """The GPU check's plan and runner (benchmarks/gpu_check.sh) and what pytest prebuilds (tests/conftest.py).
 
-GPU time is scarce (docs/gpu.md, "The GPU check"): the check's steps run in order of value under
+GPU time is scarce (docs/gpu_check.md): the check's steps run in order of value under
 caps that sum to at most 480 s, each step's result is in the output folder as soon as it ends,
 and pytest on a CUDA machine compiles none of DeepSpeed's ops for tests that do not run DeepSpeed.
 The runner is exercised here with a stand-in python and nvidia-smi, so no GPU is needed.
 """
+import json
 import os
 import re
 import signal
@@ -125,6 +126,32 @@ def test_a_killed_run_keeps_every_finished_step(tmp_path):
 def test_runner_rejects_unknown_arguments():
     result = subprocess.run(["bash", str(SCRIPT), "--plna"], capture_output=True, text=True)
     assert result.returncode == 3 and "usage" in result.stderr
+
+
+# ---- the e2e step's script, on the CPU ------------------------------------------------------
+@pytest.mark.slow
+def test_e2e_step_runs_every_method_and_checks_memory_on_the_cpu(tmp_path):
+    # The GPU run is the real use (compute-bound size, CUDA memory); here the tiny model on the CPU
+    # checks that every kind of method runs, is timed and reported, and that our engines were freed.
+    out = tmp_path / "e2e.json"
+    methods = ["floor", "torch", "deepspeed", "ShardedAdamW", "ACCO", "CO2"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "e2e_step_time.py"), "--methods", ",".join(methods),
+         "--precisions", "bf16", "--micro-batch", "2", "--ctx", "32", "--warmup", "1", "--updates", "1",
+         "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["update_kernels"] in ("cpu", "torch")
+    assert report["micro_batch"]["by_precision"] == {"bf16": 2, "fp32": 2}, "a given micro-batch serves both"
+    by_method = {r["method"]: r for r in report["results"]}
+    assert sorted(by_method) == sorted(methods)
+    for method, row in by_method.items():
+        assert "error" not in row, f"{method}: {row.get('error')}"
+        assert row["ms_per_update"] > 0 and row["tokens_per_s"] > 0 and row["left_after_gc_bytes"] == 0
+    assert all(by_method[kind]["freed_without_gc"] for kind in ("ShardedAdamW", "ACCO", "CO2"))
+    assert [t["target"].split()[0] for t in report["targets"]] == ["ShardedAdamW", "ACCO"]
+    assert "| method | precision | micro-batch | ms/update" in result.stdout and "targets met:" in result.stdout
 
 
 # ---- tests/conftest.py: which ops pytest builds before the selected tests ---------------------

@@ -3,12 +3,18 @@
 Decided once per device type and cached, so a dispatch costs one dict lookup:
 
 * CPU tensors use the ``acco_cpu_ops`` kernels, CUDA tensors the ``acco_cuda_ops`` kernels, each
-  built with ninja on first use (see :mod:`deepspeed_acco.op_builder`). If one cannot be built
-  (no compiler, no nvcc, a build error), tensors of that device fall back to the torch reference
-  and a single warning says why.
-* ``DEEPSPEED_ACCO_KERNELS=torch`` uses the reference everywhere; ``=cpu`` or ``=cuda`` requires
-  that kernel: a build failure raises instead of falling back, and tensors of the other device
-  are refused with a ``ValueError``. ``auto`` (or unset) is the default described above.
+  built with ninja on first use (see :mod:`deepspeed_acco.op_builder`).
+* CUDA is strict (docs/design.md, 9): if the CUDA kernels cannot be built or loaded, the first
+  dispatch (``deepspeed_acco.initialize`` makes it before building anything) raises with the
+  build's error. A GPU job that silently ran on the reference would run at a fraction of the
+  speed with nothing to say so (it happened on the first GPU run, docs/gpu_check.md).
+* The CPU falls back: if its kernels cannot be built (no compiler, no OpenMP), CPU tensors use the
+  torch reference and a single warning says why; the package keeps working everywhere.
+* ``DEEPSPEED_ACCO_KERNELS=torch`` uses the reference everywhere, the explicit opt-in on CUDA;
+  ``=cpu`` or ``=cuda`` requires that kernel (a build failure raises), and tensors of the other
+  device are refused with a ``ValueError``. ``auto`` (or unset) is the default described above.
+
+The backend chosen for a device is logged once, at INFO, when it is first decided.
 """
 import logging
 import os
@@ -56,6 +62,7 @@ def kernel_module(device_type: str):
 def _resolve(device_type: str):
     choice = forced()
     if choice == "torch":
+        logger.info("deepspeed_acco.ops: %s tensors use the torch reference (%s=torch)", device_type, ENV_VAR)
         return None
     if choice != "auto" and choice != device_type:
         raise ValueError(f"{ENV_VAR}={choice} runs the {choice} kernels, which cannot update {device_type} tensors; "
@@ -64,16 +71,25 @@ def _resolve(device_type: str):
     if device_type not in KERNEL_DEVICE_TYPES:
         return None
     try:
-        return _load(device_type)
+        module = _load(device_type)
     except Exception as err:  # any build or load failure means: no kernel for this device
         if choice == device_type:
             raise RuntimeError(f"{ENV_VAR}={choice} but the fused {device_type} kernels are unavailable: {err}") from err
+        if device_type == "cuda":
+            raise RuntimeError(
+                f"deepspeed_acco: the fused CUDA kernels could not be built or loaded, and the engine does not "
+                f"fall back on its own to the torch reference (separate torch operations instead of one fused "
+                f"pass). Fix the build (the error follows; docs/gpu.md, \"The fused CUDA kernels\"), or set "
+                f"{ENV_VAR}=torch to run the torch reference on purpose.\n{err}") from err
         reason = " ".join(str(err).split())
         if len(reason) > _MAX_REASON_CHARS:
             reason = reason[:_MAX_REASON_CHARS] + f"... (set {ENV_VAR}={device_type} to see the full error)"
         logger.warning("deepspeed_acco.ops: fused %s kernels unavailable, using the torch reference for %s tensors: %s",
                        device_type, device_type, reason)
         return None
+    logger.info("deepspeed_acco.ops: %s tensors use the fused %s kernels (%s)", device_type, device_type,
+                getattr(module, "__file__", module))
+    return module
 
 
 def _load(device_type: str):

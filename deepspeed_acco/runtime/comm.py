@@ -45,6 +45,7 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -226,7 +227,11 @@ class Work:
         self.communicator = communicator
         self.collectives: List[_CollectiveRecord] = []
         """The collectives the job has issued so far, oldest first (for the hang check)."""
-        self._lane = lane
+        # Weak: the lane holds its jobs in flight, so a strong reference back would make a cycle that
+        # only the garbage collector frees, and with it every buffer the job was given.
+        self._lane = weakref.ref(lane)
+        self._rank = lane.rank
+        self._device = lane.device
         self._job: Optional[Callable[[], Any]] = job
         self.submitted_at = time.perf_counter()
         self.counted = False
@@ -258,6 +263,11 @@ class Work:
                 return record
         return None
 
+    def _check_hang(self) -> None:
+        lane = self._lane()
+        if lane is not None:  # else only a handle kept past its engine's life waits: no lane to check
+            lane.check_hang(self)
+
     def is_done(self) -> bool:
         """True once the job has finished (on GPU: once its kernels have completed too). Never blocks."""
         if not self._finished.is_set():
@@ -274,18 +284,18 @@ class Work:
         if self._resolved:
             return self._value
         while not self._finished.wait(_POLL_INTERVAL_S):
-            self._lane.check_hang(self)
+            self._check_hang()
         if self._error is not None:
-            raise CommunicationError(f"communication job {self.label!r} failed on rank {self._lane.rank}: "
+            raise CommunicationError(f"communication job {self.label!r} failed on rank {self._rank}: "
                                      f"{self._error}\n--- worker traceback ---\n{self._error_traceback}") \
                 from self._error
         if self._done_event is not None:
             delay = _EVENT_POLL_MIN_S
             while not self._done_event.query():
-                self._lane.check_hang(self)
+                self._check_hang()
                 time.sleep(delay)
                 delay = min(2 * delay, _EVENT_POLL_MAX_S)
-            torch.cuda.current_stream(self._lane.device).wait_event(self._done_event)
+            torch.cuda.current_stream(self._device).wait_event(self._done_event)
         result = self._result
         if isinstance(result, DeviceReadback) and result.clock is not None:
             self.phase_spans = result.clock.spans()

@@ -101,9 +101,12 @@ class AccoEngine(DeepSpeedEngine):
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.dataloader
         self.monitor = parts.monitor
-        self.schedule.on_commit = self._after_commit
+        self.schedule.on_commit = _weak_method(self._after_commit)
         self._failure: Optional[BaseException] = None
-        self._losses: List[torch.Tensor] = []
+        self._loss_sum: Optional[torch.Tensor] = None
+        """Sum of the micro-batch losses since the last progress report, in float64 on the loss's device:
+        a running sum, so an engine that reports rarely (``steps_per_print`` 10**9) keeps one tensor."""
+        self._num_losses = 0
         self._last_grad_norm: Optional[float] = None
         self._step_applied = False
         self._job_timings: Dict[str, float] = {}
@@ -125,7 +128,7 @@ class AccoEngine(DeepSpeedEngine):
         _log_rank0(f"engine ready: type={config.optimizer_type} ranks={self.world_size} "
                    f"train_batch_size={batch.train_batch_size} micro_batch={batch.micro_batch_size} "
                    f"accumulation={batch.gradient_accumulation_steps} precision={config.precision} "
-                   f"overlap={self.schedule.overlap} update_backend={ops.backend()}{_compression_note(config)}")
+                   f"overlap={self.schedule.overlap} update_backend={ops.backend(device)}{_compression_note(config)}")
         self.defaults_note = parts.defaults_note
         """What the defaults did for this config, logged once here (docs/design.md, 2 "Defaults")."""
         if self.defaults_note:
@@ -226,7 +229,10 @@ class AccoEngine(DeepSpeedEngine):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             for flat in self.optimizer.flats:
                 flat.accumulate_grads(multiplier)
-        self._losses.append(loss.detach() * multiplier)
+        # float64 and in feeding order: the report's mean equals a Python sum of the losses read one by one.
+        value = (loss.detach() * multiplier).double()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._num_losses += 1
         if self._caller_boundary is not None:
             self._guard(self._caller_micro_batch_done)
         return loss / accumulation if scale_wrt_gas else loss
@@ -690,12 +696,11 @@ class AccoEngine(DeepSpeedEngine):
         interval = self.engine_config.steps_per_print
         progress = self.schedule.progress
         if interval is None:  # never printed (Accelerate sets infinity): keep no losses either
-            self._losses.clear()
+            self._forget_losses()
             return
         if progress.global_steps % interval:
             return
-        losses = [float(loss) for loss in self._losses]
-        mean_loss = sum(losses) / len(losses) if losses else float("nan")
+        mean_loss = float(self._loss_sum) / self._num_losses if self._num_losses else float("nan")
         message = (f"step={progress.global_steps} skipped={progress.skipped_steps} samples={progress.global_samples} "
                    f"lr={self.get_lr()} loss={mean_loss:.4f} grad_norm={self._last_grad_norm:.4g}")
         if self.engine_config.wall_clock_breakdown:
@@ -710,7 +715,11 @@ class AccoEngine(DeepSpeedEngine):
                                        ("Train/Samples/lr", self.get_lr()[0], progress.global_samples),
                                        ("Train/Samples/communication_wait_s", self.communication_wait_s,
                                         progress.global_samples)])
-        self._losses.clear()
+        self._forget_losses()
+
+    def _forget_losses(self) -> None:
+        self._loss_sum = None
+        self._num_losses = 0
 
     def __getattr__(self, name):
         # Like DeepSpeed's engine: unknown attributes come from the wrapped module.
@@ -725,6 +734,21 @@ class AccoEngine(DeepSpeedEngine):
                              f"deepspeed_acco's engine is a DeepSpeedEngine that does not run DeepSpeed's "
                              f"constructor, so DeepSpeed's internal state is not there; docs/hf.md lists the "
                              f"engine interface it implements")
+
+
+def _weak_method(method):
+    """``method`` as a callback that does not keep its object alive.
+
+    The schedule belongs to the engine; a bound method in it would make a cycle that only the garbage
+    collector frees, holding every buffer of the engine until it runs (docs/design.md, 9).
+    """
+    reference = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = reference()
+        if bound is not None:
+            bound(*args)
+    return call
 
 
 def _register_module_hooks(engine: AccoEngine, module: torch.nn.Module) -> list:

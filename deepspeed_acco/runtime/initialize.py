@@ -6,13 +6,17 @@ otherwise every argument is passed to ``deepspeed.initialize`` unchanged. Config
 """
 import atexit
 import datetime
+import importlib
 import os
 import socket
+import sys
+import threading
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from .builder import device_for_backend
 from .comm import prepare_nccl_environment
 from .config import load_config, optimizer_type, parse_config
@@ -73,6 +77,23 @@ def init_distributed(timeout_s: float) -> None:
 def _destroy_default_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _import_torch_dynamo_off_the_stack() -> None:
+    """Import ``torch._dynamo`` on a thread of its own, unless something already has.
+
+    ``torch.optim.Optimizer.__init__`` imports it on its first call, and that import leaves a frame
+    of torch.fx's ``wrap`` in a reference cycle with itself, which keeps every frame then on the stack
+    (and their locals) until the garbage collector runs. Imported while the engine is being built,
+    those frames would hold the caller's model and the engine itself, so a process's first engine
+    would outlive ``destroy()``; imported on a fresh thread, only that thread's frames are kept.
+    Training scripts that import transformers have imported it already.
+    """
+    if "torch._dynamo" in sys.modules:
+        return
+    thread = threading.Thread(target=importlib.import_module, args=("torch._dynamo", ), name="acco-import-dynamo")
+    thread.start()
+    thread.join()
 
 
 def _param_groups(model: torch.nn.Module, model_parameters) -> List[Dict]:
@@ -168,6 +189,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if dist.get_world_size() != acco_config.world_size:
         acco_config = parse_config(config_dict, dist.get_world_size())
     device = device_for_backend()
+    _import_torch_dynamo_off_the_stack()
+    # Decides the update kernels before any group of ours exists: on CUDA a kernel that cannot be built
+    # raises here with the build's error instead of training on the slower torch reference (ops/_backend.py).
+    ops.backend(device)
     engine = AccoEngine(model=model, param_groups=param_groups, config=acco_config, lr_scheduler=lr_scheduler,
                         training_data=training_data, collate_fn=collate_fn, device=device)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
