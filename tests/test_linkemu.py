@@ -7,6 +7,7 @@ Layer 4: the spin kernel on a GPU (calibration, and that a delay holds its strea
 """
 import math
 import sys
+import threading
 import time
 import types
 
@@ -192,6 +193,20 @@ def test_take_starts_a_new_record():
     emulator.charge("all_gather", 100.0)
     first, second = emulator.take(), emulator.take()
     assert first.calls["all_gather"] == 1 and first.bits == 400.0 and second.calls["all_gather"] == 0
+
+
+def test_a_record_taken_during_a_delay_waits_for_it():
+    """A job's delay that outlasts a timed window (a worker still sleeping) counts in that window."""
+    link = Link(2, 8e6)
+    emulator = LinkEmulator(link, CPU)
+    worker = threading.Thread(target=emulator.charge, args=("all_gather", 1e5))  # 50 ms
+    worker.start()
+    while emulator._record.calls["all_gather"] == 0:
+        time.sleep(0.001)
+    record = emulator.take()
+    assert record.measured_s() >= link.seconds("all_gather", 1e5)
+    worker.join()
+    assert emulator.take().measured_s() == 0.0
 
 
 def test_a_cuda_emulator_needs_the_calibration():

@@ -262,7 +262,8 @@ class _DelayedWork:
 @dataclass
 class LinkRecord:
     """What crossed the link between two :meth:`LinkEmulator.take` calls. Reading :meth:`measured_s`
-    on CUDA waits for the recorded delays, so a study takes records during a run and reads them after."""
+    waits for the delays charged to it (CUDA: their events; CPU: the host sleeps still running on a
+    worker), so a study takes records during a run and reads them after."""
     calls: Dict[str, int] = field(default_factory=lambda: {c: 0 for c in MODELLED})
     messages: int = 0
     bits: float = 0.0
@@ -270,18 +271,24 @@ class LinkRecord:
     unmodelled: Dict[str, int] = field(default_factory=dict)
     host_slept_s: float = 0.0
     events: list = field(default_factory=list)
+    sleeping: int = 0
+    changed: threading.Condition = field(default_factory=threading.Condition)
 
-    def measured_s(self) -> float:
+    def measured_s(self, timeout_s: float = 600.0) -> float:
         """The link time that really elapsed: the events around each spin (CUDA), the host's sleeps (CPU)."""
-        total = self.host_slept_s
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.sleeping == 0, timeout=timeout_s):
+                raise RuntimeError(f"{self.sleeping} emulated delays still running after {timeout_s:g} s")
+            total = self.host_slept_s
         for start, end in self.events:
             end.synchronize()
             total += start.elapsed_time(end) / 1e3
         return total
 
     def as_dict(self) -> dict:
+        measured = self.measured_s()
         return {"calls": dict(self.calls), "messages": self.messages, "bits": self.bits,
-                "requested_s": self.requested_s, "measured_s": self.measured_s(), "unmodelled": dict(self.unmodelled)}
+                "requested_s": self.requested_s, "measured_s": measured, "unmodelled": dict(self.unmodelled)}
 
 
 class LinkEmulator:
@@ -321,11 +328,16 @@ class LinkEmulator:
             record.messages += messages
             record.bits += bits
             record.requested_s += seconds
-        if self.cuda:
-            return self._spin(seconds, async_op, work)
-        return self._sleep(seconds, async_op, work)
+            if not self.cuda and seconds > 0 and not async_op:
+                with record.changed:  # before take() can hand the record out: it waits for this sleep
+                    record.sleeping += 1
+        import torch
+        with torch.profiler.record_function(f"linkemu::{collective}"):  # names the delay in a trace
+            if self.cuda:
+                return self._spin(seconds, async_op, work, record)
+            return self._sleep(seconds, async_op, work, record)
 
-    def _spin(self, seconds: float, async_op: bool, work):
+    def _spin(self, seconds: float, async_op: bool, work, record: LinkRecord):
         import torch
         cycles = self.calibration.cycles_for(seconds)
         if cycles == 0:
@@ -343,12 +355,12 @@ class LinkEmulator:
             torch.cuda._sleep(cycles)
             end.record(stream)
         with self._lock:
-            self._record.events.append((start, end))
+            record.events.append((start, end))
         if async_op:
             return _DelayedWork(work, lambda: torch.cuda.current_stream(self.device).wait_event(end))
         return work
 
-    def _sleep(self, seconds: float, async_op: bool, work):
+    def _sleep(self, seconds: float, async_op: bool, work, record: LinkRecord):
         if seconds <= 0:
             return work
         if async_op:  # the link started with the call; wait() sleeps for what is left of it
@@ -357,16 +369,21 @@ class LinkEmulator:
             def wait_link():
                 left = deadline - time.perf_counter()
                 if left > 0:
-                    self._host_sleep(left)
+                    self._host_sleep(left, record, counted=False)
             return _DelayedWork(work, wait_link)
-        self._host_sleep(seconds)
+        self._host_sleep(seconds, record, counted=True)
         return work
 
-    def _host_sleep(self, seconds: float) -> None:
+    @staticmethod
+    def _host_sleep(seconds: float, record: LinkRecord, counted: bool) -> None:
+        """Sleep, and charge the time to the record of the collective's start (even if taken since)."""
         started = time.perf_counter()
         time.sleep(seconds)
-        with self._lock:
-            self._record.host_slept_s += time.perf_counter() - started
+        with record.changed:
+            record.host_slept_s += time.perf_counter() - started
+            if counted:
+                record.sleeping -= 1
+                record.changed.notify_all()
 
     # ---- installing the wrappers -------------------------------------------------------------
     def _wrap(self, original: Callable, collective: str, vector_argument: str, method: bool = False) -> Callable:
