@@ -186,11 +186,16 @@ def _event_seconds(device, run: Callable[[], None]) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def calibrate_spin(device, cycles: Sequence[int] = (2_000_000, 8_000_000, 32_000_000), repeats: int = 3
-                   ) -> SpinCalibration:
-    """Fit ``torch.cuda._sleep``'s cycles per second on ``device`` against CUDA events."""
+def calibrate_spin(device, cycles: Sequence[int] = (2_000_000, 8_000_000, 32_000_000), repeats: int = 3,
+                   busy_s: float = 0.3) -> SpinCalibration:
+    """Fit ``torch.cuda._sleep``'s cycles per second on ``device`` against CUDA events, after
+    ``busy_s`` of matrix products: the SM clock of an idle GPU rises once work arrives."""
     import torch
-    torch.cuda.synchronize(device)
+    matrix = torch.randn(2048, 2048, device=device, dtype=torch.float32)
+    started = time.perf_counter()
+    while time.perf_counter() - started < busy_s:
+        matrix = torch.tanh(matrix @ matrix)
+        torch.cuda.synchronize(device)
     _event_seconds(device, lambda: torch.cuda._sleep(1000))  # first launch: module load, not the clock
     points = [(c, _event_seconds(device, functools.partial(torch.cuda._sleep, int(c))))
               for _ in range(repeats) for c in cycles]
