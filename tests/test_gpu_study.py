@@ -202,8 +202,8 @@ def test_dry_run_runs_every_step_on_the_cpu(tmp_path):
     rates = [link["rate_gbps"] for link in study["links"]]
     assert rates == sorted(rates, reverse=True) and study["floor"]["ms"] > 0
     # What crosses the emulated link per update, as each engine issues it at W = 8 ranks:
-    calls = {m["method"]: m["no_link"]["calls"] for m in study["methods"]}
-    bits = {m["method"]: m["no_link"]["bits"] for m in study["methods"]}
+    calls = {m["method"]: m["traffic"]["calls"] for m in study["methods"]}
+    bits = {m["method"]: m["traffic"]["bits"] for m in study["methods"]}
     model_bytes = 2 if study["precision"] == "bf16" else 4
     one_pass = 8 * 7 / 8 * study["parameters"] * model_bytes  # a reduce-scatter or all-gather of the model
     # DeepSpeed's ZeRO-1 all-reduces the gradients (two passes) and a small flag or two (the norm,
@@ -220,9 +220,14 @@ def test_dry_run_runs_every_step_on_the_cpu(tmp_path):
     assert bits["co2"] == pytest.approx(one_pass * 4 / model_bytes, rel=0.01)
     for method in study["methods"]:
         assert len(method["points"]) == 3
-        for point in method["points"]:
-            assert point["requested_link_ms"] > 0 and point["link_ms"] > 0 and point["bound_ms"] > 0
-            assert math.isfinite(point["hidden"]) and math.isfinite(point["over_bound"])
+        for point, link in zip(method["points"], study["links"]):
+            traffic = method["traffic"]
+            assert point["requested_link_ms"] == pytest.approx(
+                1e3 * (traffic["messages"] * 5e-6 + traffic["bits"] / (link["rate_gbps"] * 1e9)))
+            assert point["bound_ms"] > 0 and math.isfinite(point["over_bound"])
+            # On the CPU a window can miss a job that its worker ran after the window's end (the
+            # traffic above is counted between drained pipelines instead); on CUDA it cannot.
+            assert point["link_ms"] >= 0 and (point["hidden"] is None or math.isfinite(point["hidden"]))
     with gzip.open(out / "trace_acco.json.gz", "rt") as handle:
         trace = json.load(handle)
     # On the CPU only the training thread is traced (ACCO's jobs run on a worker); on CUDA they run

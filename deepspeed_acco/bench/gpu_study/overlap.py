@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from .common import (Clock, add_common_arguments, build_engine, describe_device, kernel_backend, method_label,
-                     release, setup, write_json)
+                     release, setup, synchronize, write_json)
 
 METHOD_ORDER = ("zero1", "sharded", "dpu", "acco", "co2")
 BASELINE = "zero1"
@@ -169,22 +169,34 @@ def time_windows(run_updates, device, args, emulator=None) -> list:
             if record["unmodelled"]:
                 raise RuntimeError(f"the timed updates issued collectives the link emulator does not model: "
                                    f"{record['unmodelled']} (deepspeed_acco/bench/linkemu.py)")
-            window.update(link_ms=1e3 * record["measured_s"] / args.updates,
-                          requested_link_ms=1e3 * record["requested_s"] / args.updates,
-                          bits=record["bits"] / args.updates, messages=record["messages"] / args.updates,
-                          calls={k: v / args.updates for k, v in record["calls"].items() if v})
+            window["link_ms"] = 1e3 * record["measured_s"] / args.updates
         windows.append(window)
     return windows
 
 
 def summarize(windows: list) -> dict:
-    """Medians over the windows; the link's traffic is the same in every window."""
+    """Medians over the windows."""
     out = {"ms": statistics.median(w["ms"] for w in windows), "window_ms": [w["ms"] for w in windows]}
     if "link_ms" in windows[0]:
         out.update(link_ms=statistics.median(w["link_ms"] for w in windows),
-                   requested_link_ms=statistics.median(w["requested_link_ms"] for w in windows),
-                   bits=windows[-1]["bits"], messages=windows[-1]["messages"], calls=windows[-1]["calls"])
+                   window_link_ms=[w["link_ms"] for w in windows])
     return out
+
+
+def traffic_per_update(run_updates, drain, emulator, updates: int, warmup: int) -> dict:
+    """Calls, sequential messages and bits per update on the link, counted over ``updates`` updates
+    between two drained pipelines, after ``warmup`` updates (an engine's first update carries its
+    pipeline's prologue: DPU's first commit comes two rounds in). Exactly the jobs those updates
+    launched: the timed windows do not drain, and on the CPU a job's collectives are charged when its
+    worker runs them, which may be after the window that launched it."""
+    run_updates(warmup)
+    drain()
+    emulator.take()
+    run_updates(updates)
+    drain()
+    record = emulator.take().as_dict()
+    return {"bits": record["bits"] / updates, "messages": record["messages"] / updates,
+            "calls": {k: v / updates for k, v in record["calls"].items() if v}}
 
 
 def floor_ms(args, device, tokens) -> dict:
@@ -237,14 +249,21 @@ def measure_method(method: str, args, device, tokens, emulator, links_for, log, 
                              warmup=2, lr_schedule="constant", warmup_sync_updates=0, local_steps=args.local_steps)
     trainer = Trainer(engine, tokens)
     result = {"method": method, "label": method_label(method)}
-    if method != BASELINE:
+    ours = method != BASELINE
+    if ours:
         result["kernels"] = kernel_backend(device)
+
+    def drain():  # DeepSpeed's ZeRO-1 finishes its collectives inside step(); ours may have a job in flight
+        if ours:
+            engine.synchronize()
+        synchronize(device)
     try:
         with emulator.installed():
             emulator.link = Link(args.world_size, math.inf, 0.0)  # counts the traffic, delays nothing
+            result["traffic"] = traffic_per_update(trainer.updates, drain, emulator, args.updates, args.warmup)
             result["no_link"] = summarize(time_windows(trainer.updates, device, args, emulator))
             log(f"{result['label']}: {result['no_link']['ms']:.2f} ms/update without a link, "
-                f"{result['no_link']['bits'] / 1e9:.3f} Gbit in {result['no_link']['messages']:.0f} messages "
+                f"{result['traffic']['bits'] / 1e9:.3f} Gbit in {result['traffic']['messages']:.0f} messages "
                 f"per update on the link")
             links = links_for(result)
             result["points"] = []
@@ -252,6 +271,8 @@ def measure_method(method: str, args, device, tokens, emulator, links_for, log, 
                 emulator.link = link
                 point = summarize(time_windows(trainer.updates, device, args, emulator))
                 point["rate_gbps"] = link.rate_bps / 1e9
+                point["requested_link_ms"] = 1e3 * (result["traffic"]["messages"] * link.latency_s
+                                                    + result["traffic"]["bits"] / link.rate_bps)
                 result["points"].append(point)
                 log(f"{result['label']} at {link.rate_bps / 1e9:.3g} Gbit/s: {point['ms']:.2f} ms/update, link "
                     f"{point['link_ms']:.2f} ms/update (asked {point['requested_link_ms']:.2f})")
@@ -354,9 +375,9 @@ def run(args) -> dict:
 
     def links_for(result):
         if not links:  # the baseline, first: the rates at which its t_0 and traffic give each share
-            base = result["no_link"]
+            t0, traffic = result["no_link"]["ms"] / 1e3, result["traffic"]
             for share in args.shares:
-                rate = rate_for_share(share, base["ms"] / 1e3, base["bits"], base["messages"], args.latency_us * 1e-6)
+                rate = rate_for_share(share, t0, traffic["bits"], traffic["messages"], args.latency_us * 1e-6)
                 links.append(Link(args.world_size, rate, args.latency_us * 1e-6))
                 payload["links"].append({"share": share, "rate_gbps": rate / 1e9})
             log("links: " + ", ".join(f"{l['rate_gbps']:.3g} Gbit/s (ZeRO-1 at {l['share']:.0%})"
