@@ -9,7 +9,6 @@ import json
 import math
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_acco.bench import linkemu
-from deepspeed_acco.bench.linkemu import Link, LinkEmulator, SpinCalibration, fit_spin, rate_for_share
+from deepspeed_acco.bench.linkemu import Link, LinkEmulator, fit_spin, rate_for_share
 from deepspeed_acco.runtime.comm import Communicator
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

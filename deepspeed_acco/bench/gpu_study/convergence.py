@@ -8,8 +8,9 @@ defaults, then CO2 at its defaults if time allows, from the same initial weights
 micro-batches in the same order. The schedule follows the ACCO paper's 125M runs scaled to the time
 there is: AdamW with lr 6e-4, betas (0.9, 0.95), weight decay 0.1, gradient clipping 1.0, a linear
 warm-up over the first 2% of the updates from a tenth of the peak, and a cosine decay back to a
-tenth (DeepSpeed's ``WarmupCosineLR``, which gives the very first update lr 0). The committed parameters are evaluated on fixed held-out windows
-``--eval-points`` times; the report gives the curves and each method's gap to ShardedAdamW at the end.
+tenth (DeepSpeed's ``WarmupCosineLR``, which gives the very first update lr 0). The committed
+parameters are evaluated on fixed held-out windows ``--eval-points`` times; the report gives the
+curves and each method's gap to ShardedAdamW at the end.
 
 Without ``--updates`` the run takes as many updates as fit ``--budget-s`` (at least
 ``--min-updates``): a few updates of the first method time an update and an evaluation, and the
@@ -21,7 +22,6 @@ every curve up to there.
     python -m deepspeed_acco.bench.gpu_study.convergence --ctx 64 --updates 8 --eval-points 4      # CPU dry run
 """
 import argparse
-import math
 import sys
 import time
 
@@ -82,7 +82,8 @@ def parse_args(argv=None):
     parser.add_argument("--required", type=int, default=2,
                         help="the first N methods always run; later ones only if the time left holds them")
     parser.add_argument("--updates", type=int, default=None, help="updates per method (default: what --budget-s holds)")
-    parser.add_argument("--budget-s", type=float, default=150.0, help="seconds for all the training (without --updates)")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="seconds for the whole study, its imports included (without --updates)")
     parser.add_argument("--min-updates", type=int, default=1000)
     parser.add_argument("--max-updates", type=int, default=3000,
                         help="at most this many (3000 x 8,192 tokens is two passes over the standard library)")

@@ -107,7 +107,8 @@ def parse_args(argv=None):
         args.rates_bps = None
         args.shares = [float(x) for x in args.shares.split(",") if x.strip()]
         if args.methods[0] != BASELINE:
-            parser.error(f"--shares are DeepSpeed ZeRO-1's: --methods must start with {BASELINE} (or give --rates-gbps)")
+            parser.error(f"--shares are DeepSpeed ZeRO-1's: --methods must start with {BASELINE} "
+                         f"(or give --rates-gbps)")
     if "co2" in args.methods and args.updates % args.local_steps:
         parser.error(f"--updates {args.updates}: CO2 communicates once per {args.local_steps} updates, so a window "
                      f"must hold whole rounds; use a multiple of --local-steps")
@@ -218,9 +219,7 @@ def floor_ms(args, device, tokens) -> dict:
             if state["micro"] % args.grad_accum == 0:
                 model.zero_grad(set_to_none=True)
 
-    result = summarize(time_windows(run_updates, device, args))
-    del model
-    return result
+    return summarize(time_windows(run_updates, device, args))
 
 
 def calibrate(device, log) -> dict:
