@@ -30,7 +30,7 @@ test: venv
 	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(CURDIR)/$(VENV)/torch_extensions}" $(PY) -m pytest -q tests
 
 kernels-bench: venv
-	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/kernel_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -42,12 +42,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-# Python puts this script's folder first on the path, and benchmarks/kernels.py there would shadow the
-# ``kernels`` package that transformers imports when it is installed: the repository replaces it.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(REPO)
-else:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))
 
 OUR_TYPES = {"ShardedAdamW": "sharded.json", "DPU": "dpu.json", "ACCO": "acco.json", "CO2": "co2.json"}
 METHODS = ["floor", "torch", "deepspeed", *OUR_TYPES]

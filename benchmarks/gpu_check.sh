@@ -19,7 +19,7 @@
 #   summary.txt      one line per step (PASS / FAIL / NOT RUN / RUNNING), rewritten at every step
 #   steps.log        every step's output, appended while it runs
 #   environment.txt  GPU, driver, nvcc, python, torch (CUDA, NCCL), deepspeed, TORCH_CUDA_ARCH_LIST
-#   kernels.json     benchmarks/kernels.py on the GPU: every kernel against the device copy
+#   kernels.json     benchmarks/kernel_bench.py on the GPU: every kernel against the device copy
 #   e2e.json         benchmarks/e2e_step_time.py: the floor, torch, DeepSpeed ZeRO-1 and our types per precision
 # Exit status: 0 every step passed, 1 a step failed, 2 a step did not run (budget spent).
 set -uo pipefail
@@ -34,7 +34,7 @@ PLAN=(
     "environment|20|nvidia-smi, nvcc --version, and one python that imports torch, deepspeed and deepspeed_acco: 11 s on 2026-12-04"
     "build|100|our CUDA op (under the image's TORCH_CUDA_ARCH_LIST) and CPU op: 41 s on 2026-12-04; DeepSpeed's FusedAdam for the e2e step at the same time (one .cu file and its frontend, not yet timed: about the size of one of ours)"
     "kernel_tests|45|197 CUDA kernel and lane tests (tests/test_ops_kernels.py, test_quantize_kernels.py, test_lane.py, 'cuda' selection, no compile): sizes up to 1M, under a millisecond each on the GPU; pytest start and CUDA context 10-15 s"
-    "kernel_bench|45|benchmarks/kernels.py at 128M and 256M: about 20 cases x 2 sizes x 3 rounds x 0.25 s = 30 s, plus allocation; the copy moves about 4.3 TB/s, so one 256M AdamW pass takes about 2 ms"
+    "kernel_bench|45|benchmarks/kernel_bench.py at 128M and 256M: about 20 cases x 2 sizes x 3 rounds x 0.25 s = 30 s, plus allocation; the copy moves about 4.3 TB/s, so one 256M AdamW pass takes about 2 ms"
     "engine_tests|90|tests/test_gpu_engine.py: 5 spawned processes (4 parity runs over every type, 1 without host synchronisation over every type), each about 10 s of imports and NCCL set-up plus seconds of TinyNet steps"
     "e2e|140|benchmarks/e2e_step_time.py: the floor measured at micro-batches 8, 16, ... until it grows with them (about 3 s each), then 7 methods x 2 precisions x 7 updates; at a bf16 micro-batch of 256 (131k tokens per update) a 125m update takes about 0.2 s (its FLOPs at 40% of the H200's bf16 peak), fp32 at a quarter of that size about 0.25 s (7%), model builds about 2 s each; not yet timed"
     "example|20|examples/train_gpt.py with the tiny model for 6 updates, as a user runs it: imports and start-up dominate"
@@ -254,7 +254,7 @@ step kernel_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops_kern
     tests/test_lane.py -k "cuda and not nvcc and not compiles"
 
 # 5. kernel_bench: every kernel's bandwidth against the device copy measured in the same run.
-step kernel_bench "$PY" benchmarks/kernels.py --device cuda --sizes "$SIZES" --json "$OUT/kernels.json" --strict
+step kernel_bench "$PY" benchmarks/kernel_bench.py --device cuda --sizes "$SIZES" --json "$OUT/kernels.json" --strict
 
 # 6. engine_tests: world size 1 over a real NCCL group: parity with the CPU engine and between
 # overlap on and off, and no host synchronisation in steady state. The tests carry

@@ -369,6 +369,8 @@ def check_bash(argv: List[str], where: str) -> None:
     if argv[2:] == ["--plan"]:  # documented as cheap: no GPU, no python
         plan = subprocess.run(["bash", str(script), "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert plan.returncode == 0 and "total" in plan.stdout, f"{where}: {plan.stderr.strip() or plan.stdout}"
+    elif argv[2:] == ["--dry-run"]:  # runs for a minute; tests/test_gpu_study.py runs it
+        assert '"--dry-run"' in script.read_text(), f"{where}: {argv[1]} has no --dry-run"
     else:
         assert not argv[2:], f"{where}: no check for the arguments {argv[2:]} of {argv[1]}"
 
@@ -444,7 +446,7 @@ def test_a_renamed_flag_or_a_refused_combination_fails():
            "--fault: zero1 run without")
     _fails("python -m deepspeed_acco.bench --grad-accum 3 --methods zero1,acco", "--grad-accum")
     _fails("python -m deepspeed_acco.zero_to_fp32 DIR out.pt --tg T", "no such option ['--tg']")
-    _fails("python benchmarks/kernels.py --sizez 4M", "unrecognized arguments: --sizez")
+    _fails("python benchmarks/kernel_bench.py --sizez 4M", "unrecognized arguments: --sizez")
     _fails("python -m deepspeed_acco.nothing", "No module named")
     _fails("make demonstration", "make refuses it")
     _fails("bash benchmarks/gpu_check.sh --fast", "no check for the arguments")

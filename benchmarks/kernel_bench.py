@@ -24,9 +24,9 @@ then checks the kernels' targets (docs/kernels.md). Nominal bytes per parameter:
 AdamW 28 (read theta, g, m, v; write theta, m, v), +2 or +4 for a bf16/fp32 output, Peek 16 + the
 output, copy 8. An estimate is credited with Peek's bytes, since it produces the same result.
 
-    python benchmarks/kernels.py                       # CPU, 1M / 8M / 32M parameters
-    python benchmarks/kernels.py --only quant          # only the copy and the quantisation kernels
-    python benchmarks/kernels.py --device cuda --sizes 128M,256M --strict
+    python benchmarks/kernel_bench.py                       # CPU, 1M / 8M / 32M parameters
+    python benchmarks/kernel_bench.py --only quant          # only the copy and the quantisation kernels
+    python benchmarks/kernel_bench.py --device cuda --sizes 128M,256M --strict
 """
 import argparse
 import json
