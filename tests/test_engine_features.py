@@ -16,9 +16,12 @@ def _dynamic_worker(rank, world_size, dynamic, num_updates):
     model = TinyNet(seed=0)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
               "steps_per_print": 1000,
-              "optimizer": {"type": "ACCO", "params": {"lr": 1e-2, "dynamic_accumulation": dynamic}}}
+              "optimizer": {"type": "ACCO", "params": {"lr": 1e-2, "dynamic_accumulation": dynamic,
+                                                       "warmup_sync_updates": 0}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 100, "warmup_type": "linear"}}}
     engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
-    rounds = 0
+    rounds, lrs = 0, {0: engine.get_lr()[0]}
     while engine.global_steps < num_updates:
         x, y = batch(rank, engine.micro_steps)
         engine.backward(loss_fn(engine(x), y))
@@ -27,16 +30,17 @@ def _dynamic_worker(rank, world_size, dynamic, num_updates):
         before = engine.global_steps, engine.phase
         engine.step()
         rounds += (engine.global_steps, engine.phase) != before
+        lrs[engine.global_steps] = engine.get_lr()[0]
     engine.destroy()  # drains the estimate launched at the last boundary
     in_flight = engine.schedule.running.wait() if engine.schedule.running is not None else None
     return {"micro_steps": engine.micro_steps, "wait_s": engine.communication_wait_s, "rounds": rounds,
             "commits": [(c.global_micro_batches, c.skipped) for c in engine.recent_commits],
             "in_flight_global": in_flight.global_micro_batches if in_flight else 0,
-            "global_samples": engine.global_samples}
+            "global_samples": engine.global_samples, "lrs": lrs}
 
 
 @pytest.mark.slow
-def test_dynamic_accumulation_lets_the_fast_rank_keep_computing():
+def test_dynamic_accumulation_lets_the_fast_rank_keep_computing_and_the_schedule_counts_updates():
     num_updates = 6
     dynamic = run_distributed(_dynamic_worker, 2, True, num_updates)
     static = run_distributed(_dynamic_worker, 2, False, num_updates)
@@ -55,6 +59,15 @@ def test_dynamic_accumulation_lets_the_fast_rank_keep_computing():
     assert fast_wait_per_round < 0.25 * SLOW_DELAY_S, fast_wait_per_round
     assert static_wait_per_round > 0.5 * SLOW_DELAY_S, static_wait_per_round
     assert static[0]["micro_steps"] == static[1]["micro_steps"] == 2 * num_updates + 1
+    # Updates of more samples than train_batch_size still step a schedule set in updates once each
+    # (docs/design.md, 3.4): the learning rate after k updates is WarmupLR's after k steps.
+    assert fast["global_samples"] > num_updates * 4 * 2 * 1.5
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    expected = WarmupLR(plain, warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=100, warmup_type="linear")
+    for step in range(num_updates + 1):
+        assert fast["lrs"][step] == slow["lrs"][step] == pytest.approx(plain.param_groups[0]["lr"]), step
+        expected.step()
 
 
 def _bf16_worker(rank, world_size, kind, num_updates):

@@ -99,14 +99,14 @@ def step_lr_scheduler(lr_scheduler) -> None:
 
 
 def account_commit(result: JobResult, progress: Progress, loss_scale: LossScale, lr_scheduler, *,
-                   samples_of_commit: int, train_batch_size: int, follow_samples: bool,
-                   schedule_skipped: bool = False) -> None:
+                   samples_of_commit: int, schedule_skipped: bool = False) -> None:
     """Advance counters, loss scale and LR schedule for one installed commit.
 
     ``samples_of_commit`` is added to ``global_samples`` (0 when samples are counted per micro-step).
-    With ``follow_samples`` the LR schedule steps once per ``train_batch_size`` samples consumed
-    (dynamic accumulation), else once per applied update (and per skipped one too with
-    ``schedule_skipped``: CO2's replicas skip alone, yet must stay on one schedule).
+    The LR schedule steps once per applied update (and per skipped one too with ``schedule_skipped``:
+    CO2's replicas skip alone, yet must stay on one schedule), also under dynamic accumulation, whose
+    updates hold more samples than ``train_batch_size``: a schedule set in updates (DeepSpeed's, the
+    HF Trainer's) advances as its user set it (docs/design.md, 3.4; docs/studies/uneven_ranks.md).
     """
     progress.global_steps += 1
     progress.global_samples += samples_of_commit
@@ -117,14 +117,8 @@ def account_commit(result: JobResult, progress: Progress, loss_scale: LossScale,
         progress.applied_steps += 1
     if lr_scheduler is None or (result.skipped and not schedule_skipped):
         return
-    if follow_samples:
-        target = progress.global_samples // train_batch_size
-        while progress.scheduler_steps < target:
-            step_lr_scheduler(lr_scheduler)
-            progress.scheduler_steps += 1
-    else:
-        step_lr_scheduler(lr_scheduler)
-        progress.scheduler_steps += 1
+    step_lr_scheduler(lr_scheduler)
+    progress.scheduler_steps += 1
 
 
 class Schedule:
@@ -496,8 +490,7 @@ class Schedule:
 
     def _account_commit(self, result: JobResult) -> None:
         account_commit(result, self.progress, self.loss_scale, self.lr_scheduler,
-                       samples_of_commit=self._commit_samples(result), train_batch_size=self.train_batch_size,
-                       follow_samples=self.uneven_rounds, schedule_skipped=self.schedule_skipped_steps)
+                       samples_of_commit=self._commit_samples(result), schedule_skipped=self.schedule_skipped_steps)
         if self.on_commit is not None:
             self.on_commit(result)
 
@@ -515,7 +508,6 @@ class Schedule:
             return progress, loss_scale, scheduler_state, lrs
         shadow = _detached_scheduler(self.lr_scheduler, self.optimizer) if self.lr_scheduler is not None else None
         account_commit(result, progress, loss_scale, shadow, samples_of_commit=self._commit_samples(result),
-                       train_batch_size=self.train_batch_size, follow_samples=self.uneven_rounds,
                        schedule_skipped=self.schedule_skipped_steps)
         if shadow is not None:
             scheduler_state = shadow.state_dict()
