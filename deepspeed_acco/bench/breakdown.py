@@ -225,3 +225,57 @@ def breakdown_lines(rows: List[dict]) -> List[str]:
                      f"{job.get('worker_cpu', 0.0):.1f} ms); the training thread waited {waited:.0f} ms per update: "
                      f"{max(0.0, hidden):.0%} of the jobs' time hidden behind compute.")
     return lines
+
+
+_TRACK_ORDER = ("bench loop", "training thread", "communication job")
+_COLOURS = {"forward": "tab:blue", "backward": "tab:cyan", "boundary": "tab:orange", "reduce_scatter": "tab:red",
+            "all_gather": "tab:purple", "all_reduce": "tab:pink", "norm": "tab:gray", "update": "tab:green",
+            "debt": "black", "gradient all-reduce": "tab:red", "parameter all-gather": "tab:purple",
+            "optimizer step": "tab:green"}
+
+
+def plot_timeline(trace_path: str, png_path: str, title: str) -> None:
+    """Draw a ``--trace`` file: one row per track, a bar per event, waits hatched, pauses grey."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    engine_track = any(e["ph"] == "X" and e["name"] == "forward" and names.get(e["tid"]) == "training thread"
+                       for e in events)
+
+    def shown(e) -> bool:  # the bench loop's calls only where the engine has no track of its own
+        return e["ph"] == "X" and not (engine_track and names.get(e["tid"]) == "bench loop"
+                                       and e["name"] in ("forward", "backward", "step"))
+
+    drawn = [e for e in events if shown(e)]
+    tracks = [track for track in _TRACK_ORDER if any(names.get(e["tid"]) == track for e in drawn)]
+    rows = {track: len(tracks) - 1 - index for index, track in enumerate(tracks)}
+    fig, ax = plt.subplots(figsize=(12, 0.8 * len(tracks) + 1.6))
+    used = {}
+    for e in drawn:
+        if names.get(e["tid"]) not in rows:
+            continue
+        name, start, width = e["name"], e["ts"] / 1e3, e["dur"] / 1e3
+        if name.startswith("wait"):
+            colour, hatch, label = "white", "////", "wait (blocked / optimizer)"
+        elif "paused" in name:
+            colour, hatch, label = "0.85", None, "clock paused"
+        else:
+            colour, hatch, label = _COLOURS.get(name, "0.5"), None, name
+        ax.broken_barh([(start, max(width, 0.2))], (rows[names[e["tid"]]] - 0.35, 0.7), facecolors=colour,
+                       edgecolor="0.3", linewidth=0.3, hatch=hatch)
+        used.setdefault(label, (colour, hatch))
+    ax.set_yticks(list(rows.values()))
+    ax.set_yticklabels(list(rows))
+    ax.set_xlabel("ms (rank 0)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(handles=[Patch(facecolor=c, hatch=h, edgecolor="0.3", label=label) for label, (c, h) in used.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=6, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)

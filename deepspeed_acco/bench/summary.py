@@ -201,8 +201,10 @@ def finish(args, out, results, failed, meta, rates) -> None:
                 xlabel=("measured link rate per node and direction (Mbit/s)" if nodes >= 2 else
                         "measured link rate (Mbit/s, shared by both directions)"))
             plots.append(p3)
+    if getattr(args, "trace", "") and not args.no_plots:
+        plots += _timelines(args.trace)
     for p in plots:
-        md.append(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
+        md.append(f"![{os.path.basename(p)}]({os.path.relpath(p, out)})\n")
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(md))
     print(f"\n{report.TABLE_NOTES}\n" + (f"{report.TTT_NOTES}\n" if args.target_loss is not None else "")
@@ -210,6 +212,20 @@ def finish(args, out, results, failed, meta, rates) -> None:
           + "".join(f", {os.path.basename(p)}" for p in plots))
     if failed:
         print(f"FAILED runs: {', '.join(failed)}", file=sys.stderr)
+
+
+def _timelines(folder: str) -> List[str]:
+    """timeline_<method>.png for every trace_<method>_rank0.json that --trace wrote into ``folder``."""
+    import glob
+    from .breakdown import plot_timeline
+    pngs = []
+    for trace in sorted(glob.glob(os.path.join(folder, "trace_*_rank0.json"))):
+        method = os.path.basename(trace)[len("trace_"):-len("_rank0.json")]
+        png = os.path.join(folder, f"timeline_{method}.png")
+        label = "compute-only (no comm)" if method == "compute" else parse_variant(method).label
+        plot_timeline(trace, png, f"{label}: rank 0's last updates before --updates (bench --trace)")
+        pngs.append(png)
+    return pngs
 
 
 def _regime_lines(rows, auto: Optional[dict], label: str) -> List[str]:
