@@ -1,5 +1,5 @@
 """Your regime: measured compute and communication per update, and each type's predicted time from the
-bounds of docs/design.md ("Where the time goes"; DESIGN 9), so a user can read off their own job which
+bounds of docs/design.md ("Where the time goes"), so a user can read off their own job which
 type would be fastest.
 
 Per update, T_compute is one update's forward + backward + optimizer and T_comm one gradient
