@@ -63,7 +63,7 @@ def test_regime_on_a_fake_clock_predicts_every_type_from_the_bounds():
     assert predicted["ACCO"] == pytest.approx(0.528)                       # two rounds per update
     assert predicted["ACCO with int8 communication"] == pytest.approx(0.4)  # 2 x 2.06 bytes: hidden
     assert predicted["CO2"] == pytest.approx(0.528)                        # fp32: 8 bytes per value
-    assert regime.fastest == "DPU"
+    assert regime.fastest == "DPU, ACCO with int8 communication"  # both hide their rounds under compute
     text = regime.describe("ACCO")
     assert "communication is 40% of a synchronous update" in text and "ACCO 528 ms (0.80x)" in text
     # Measured in an fp32 round, the bf16 types' rounds are half as long.
@@ -121,3 +121,15 @@ def test_a_schedule_counts_its_waits_and_jobs_on_a_slow_communicator():
     assert values["blocked"] >= 3 * 0.03 and values["boundary"] < values["blocked"]  # the waits are not boundary work
     assert values["optimizer"] == pytest.approx(values["job_update_s"], abs=0.01)
     assert torch.isfinite(h.params()).all()
+
+
+def test_jobs_that_only_copy_locally_are_not_counted_as_communication():
+    """A job on a local communicator (CO2's inner step without groups, a one-rank gloo group) has no
+    network round: its waits count, its phases do not (the regime's T_comm is a network round)."""
+    h = Harness("ShardedAdamW")
+    h.communicator.local = True
+    for _ in range(4):
+        h.micro_batch()
+    values = h.schedule.time.snapshot()
+    assert h.applied_steps == 2 and values["jobs"] == 0 and "job_all_gather_s" not in values
+    assert values["blocked"] + values["optimizer"] > 0.0

@@ -173,7 +173,9 @@ class AccoEngine(DeepSpeedEngine):
         message = self._regime_monitor.note(self.global_steps, self.time_breakdown(),
                                             self.schedule.warmup_sync_updates)
         if message:
-            _log_rank0(message)
+            # At WARNING: DeepSpeed's logger shows nothing below it by default, and this line is the
+            # one report a user reads to choose a type (docs/design.md, "Where the time goes").
+            _log_rank0(message, logging.WARNING)
 
     def time_breakdown(self) -> Dict[str, float]:
         """Cumulative seconds of this rank's training thread, per part: ``compute`` (forward and

@@ -411,7 +411,9 @@ class Schedule:
     def _wait(self, work: Work, synchronous: bool = False):
         """Wait for ``work``; its time counts as this boundary's wait, split into blocked and optimizer
         time by the job's phases (``synchronous``: launched to be waited at once; runtime/timeline.py)."""
-        first = not getattr(work, "counted", True)
+        # A job's phases are counted once, and only for jobs that cross the network: a job on a local
+        # communicator (CO2's inner step without groups, a one-rank gloo group) copies locally.
+        first = not getattr(work, "counted", True) and not getattr(getattr(work, "communicator", None), "local", False)
         start = time.perf_counter()
         result = work.wait()
         end = time.perf_counter()

@@ -105,7 +105,7 @@ class TimeBreakdown:
         self.job_s = 0.0
         """Summed time from each waited job's submission to the end of its last phase (CPU)."""
         self.jobs = 0
-        """Jobs waited for (each is counted once, at its first wait)."""
+        """Jobs waited for that crossed the network (each counted once, at its first wait)."""
 
     def add(self, part: str, start: float, end: float, name: Optional[str] = None, **args) -> None:
         """Count [start, end] as ``part``; record it on the training thread's track as ``name``."""
