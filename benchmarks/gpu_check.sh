@@ -41,27 +41,12 @@ PLAN=(
 )
 BUDGET_S=480
 
-field() { local IFS='|'; read -r -a parts <<<"$1"; echo "${parts[$2]}"; }
-cap_of() {
-    local entry
-    for entry in "${PLAN[@]}"; do
-        if [ "$(field "$entry" 0)" = "$1" ]; then field "$entry" 1; return; fi
-    done
-    echo "gpu_check.sh: no step named $1 in PLAN" >&2
-    exit 3
-}
+TITLE="GPU check"
+# shellcheck source=benchmarks/gpu_steps.sh
+source benchmarks/gpu_steps.sh
 
 if [ "${1:-}" = "--plan" ]; then
-    echo "GPU check plan: steps in order of value, each under its own cap (seconds)"
-    total=0
-    index=0
-    for entry in "${PLAN[@]}"; do
-        index=$((index + 1))
-        cap=$(field "$entry" 1)
-        total=$((total + cap))
-        printf '%2d. %-13s %4d s   %s\n' "$index" "$(field "$entry" 0)" "$cap" "$(field "$entry" 2)"
-    done
-    printf 'total %d s (budget %d s)\n' "$total" "$BUDGET_S"
+    print_plan
     exit 0
 elif [ $# -gt 0 ]; then
     echo "usage: bash benchmarks/gpu_check.sh [--plan]" >&2
@@ -69,7 +54,6 @@ elif [ $# -gt 0 ]; then
 fi
 
 REPO=$PWD
-STARTED=$SECONDS
 PY=${PYTHON:-python3}
 SIZES=${SIZES:-128M,256M}
 OUT=${OUT:-$REPO/build/gpu_check/$(date +%Y%m%d-%H%M%S)}
@@ -81,94 +65,13 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$REPO/build/torch_extensions
 export ACCO_GPU_CHECK=1  # tests/test_gpu_engine.py then insists on the fused CUDA kernels
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
-declare -a SUMMARY=()
-FAILED=0
-NOT_RUN=0
-
-write_summary() {  # write_summary [LINE FOR THE STEP IN PROGRESS]
-    {
-        echo "GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), $((SECONDS - STARTED)) s of ${BUDGET_S} s; output in $OUT"
-        printf '%s\n' "${SUMMARY[@]}"
-        if [ $# -gt 0 ]; then echo "$1"; fi
-    } >"$OUT/summary.txt"
+key_results() {  # the e2e step's table and its targets, under the summary
+    sed -n '/^| method | precision | micro-batch/,/^$/p' "$OUT/steps.log"
+    sed -n '/^### targets/,/targets met/p' "$OUT/steps.log"
 }
 
-step() {  # step NAME CMD...: run CMD under min(cap, budget left), log it, record the outcome
-    local name=$1
-    shift
-    local cap left limit start rc took shown
-    cap=$(cap_of "$name")
-    left=$((BUDGET_S - (SECONDS - STARTED)))
-    if [ "$left" -lt 10 ]; then
-        SUMMARY+=("NOT RUN  $name (time budget spent)")
-        NOT_RUN=1
-        write_summary
-        return 2
-    fi
-    limit=$((cap < left ? cap : left))
-    write_summary "RUNNING  $name (limit ${limit} s, started $((SECONDS - STARTED)) s into the check)"
-    shown="$*"
-    shown=${shown//$'\n'/ }
-    echo "=== $name (limit ${limit} s, $((SECONDS - STARTED)) s into the check): ${shown:0:160}" | tee -a "$OUT/steps.log"
-    start=$SECONDS
-    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$OUT/steps.log"
-    rc=${PIPESTATUS[0]}
-    took=$((SECONDS - start))
-    if [ "$rc" -eq 0 ]; then
-        SUMMARY+=("PASS     $name (${took} s of ${cap} s)")
-    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-        SUMMARY+=("FAIL     $name (stopped at its limit, ${took} s)")
-        FAILED=1
-    else
-        SUMMARY+=("FAIL     $name (rc=$rc, ${took} s of ${cap} s)")
-        FAILED=1
-    fi
-    write_summary
-    return "$rc"
-}
-
-finish() {  # record the steps not run, print the summary with the key results, exit
-    local entry name recorded
-    for entry in "${PLAN[@]}"; do
-        name=$(field "$entry" 0)
-        recorded=0
-        for line in "${SUMMARY[@]}"; do
-            case "$line" in *" $name ("*) recorded=1 ;; esac
-        done
-        if [ "$recorded" -eq 0 ]; then
-            SUMMARY+=("NOT RUN  $name (an earlier step failed)")
-            NOT_RUN=1
-        fi
-    done
-    write_summary
-    {
-        sed -n '/^| method | precision | micro-batch/,/^$/p' "$OUT/steps.log"
-        sed -n '/^### targets/,/targets met/p' "$OUT/steps.log"
-        if [ "$FAILED" -ne 0 ]; then echo "GPU CHECK FAILED"
-        elif [ "$NOT_RUN" -ne 0 ]; then echo "GPU CHECK INCOMPLETE"
-        else echo "GPU CHECK PASSED"; fi
-    } >>"$OUT/summary.txt"
-    echo
-    cat "$OUT/summary.txt"
-    [ "$FAILED" -ne 0 ] && exit 1
-    [ "$NOT_RUN" -ne 0 ] && exit 2
-    exit 0
-}
-
-# 1. install: deepspeed and its pydantic/hjson are not in the GPU image; the carried wheels are.
-install_wheels() {
-    if "$PY" -c "import deepspeed" >/dev/null 2>&1; then
-        echo "deepspeed already importable: nothing to install"
-        return 0
-    fi
-    if ! compgen -G ".whl/*.whl" >/dev/null; then
-        echo "deepspeed is missing and no wheels were carried: run benchmarks/gpu_wheels.sh here and carry .whl" >&2
-        return 1
-    fi
-    echo "installing $(ls .whl | tr '\n' ' ')"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/acco_site \
-        .whl/*.whl
-}
+# 1. install: deepspeed and its pydantic/hjson are not in the GPU image; the carried wheels are
+# (install_wheels, benchmarks/gpu_steps.sh).
 export PYTHONPATH="$PYTHONPATH:/tmp/acco_site"
 export -f install_wheels
 export PY

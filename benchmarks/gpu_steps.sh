@@ -1,5 +1,5 @@
-# The step runner of a prepared GPU run, sourced by benchmarks/gpu_study.sh (benchmarks/gpu_check.sh
-# keeps its own copy of the same functions). GPU time is scarce: steps run in the order of PLAN,
+# The step runner of a prepared GPU run, sourced by benchmarks/gpu_check.sh and
+# benchmarks/gpu_study.sh. GPU time is scarce: steps run in the order of PLAN,
 # each under min(its cap, the budget left); summary.txt is rewritten before and after every step
 # and steps.log gets every step's output as it comes, so a run killed at any point still returns
 # everything before it (docs/gpu.md, "The GPU check"; docs/gpu_study.md).
