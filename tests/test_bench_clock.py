@@ -6,7 +6,8 @@ two jobs per update take several times longer than its compute, so that a neighb
 the CPU hardly moves either method's time): one evaluates after every update, one only at
 the start and the end. At an evaluation the job in flight finishes first, with the clock paused,
 and what it still needed becomes a deadline that the next boundary waits for, so ACCO's time
-relative to DeepSpeed ZeRO-1's must not depend on how often it is evaluated. (With the clock
+relative to DeepSpeed ZeRO-1's must not depend on how often it is evaluated, and its training
+clock must hold its jobs' whole durations. (With the clock
 before 2026-12-03, each evaluation drained ACCO's job off the clock, and ACCO looked about a round
 per update faster when evaluated every update.) Both benches also check that every rank's
 training wall-clock plus its paused time is its process's own wall time, that each rank's
@@ -75,6 +76,13 @@ def _bench(out, eval_every: int, trace: str = "") -> dict:
                 largest = max(("compute", "blocked", "optimizer", "boundary", "rest"), key=parts.get)
                 assert largest == "blocked", parts
                 assert s["job_ms"]["jobs"] >= 2 * (UPDATES - 1), s["job_ms"]
+                # ACCO's jobs run one at a time, and the clock charges each whole: the part a job ran
+                # while the clock was paused comes back as the deadline waited after the pause. So
+                # the training clock holds the jobs' durations end to end (the clock before
+                # 2026-12-03 drained the job in flight at an evaluation off the clock: one of ACCO's
+                # two jobs per update when evaluating after every update).
+                jobs_s = s["job_ms"]["jobs"] * s["job_ms"]["total"] / 1e3
+                assert s["wall_s"] >= 0.98 * jobs_s, (s["wall_s"], jobs_s)
                 # engine.regime() reads the same regime off the job: mostly communication, and ACCO's
                 # bound max(T_compute, 2 T_comm) from its measured times is its measured time.
                 regime = s["regime"]
@@ -103,4 +111,7 @@ def test_evaluation_frequency_does_not_change_acco_vs_zero1_and_the_breakdown_ad
     ratio_end = end["acco"]["ms_per_update"] / end["zero1"]["ms_per_update"]
     # Network-bound: ACCO's two rounds per update are not hidden (else this checks nothing).
     assert every["acco"]["comm_wait_s"] > 0.3 * every["acco"]["wall_s"], every["acco"]
-    assert ratio_every == pytest.approx(ratio_end, rel=0.07), (ratio_every, ratio_end)
+    # The old clock took a round per update off ACCO's time, about half of it on this link, when
+    # evaluating after every update; the shaped link's rounds vary by up to 10% from one update to
+    # the next, which over five updates moved the ratio by up to 9% between two runs of one bench.
+    assert ratio_every == pytest.approx(ratio_end, rel=0.15), (ratio_every, ratio_end)

@@ -117,10 +117,9 @@ class LoopClock:
         events.sort(key=lambda event: event[2])
         return chrome_trace(events, process_name=process_name)
 
-    def parts(self, loop_s: float, charged_s: float = 0.0) -> Dict[str, float]:
+    def parts(self, loop_s: float) -> Dict[str, float]:
         """Cumulative seconds per part after ``loop_s`` seconds of training (the clock's time, pauses
-        excluded; ``charged_s`` of it is communication charged back from pauses, which is blocked
-        time); ``rest`` is the loop's time outside the engine's calls, and ``unattributed`` what
+        excluded); ``rest`` is the loop's time outside the engine's calls, and ``unattributed`` what
         the engine's calls took beyond the parts measured inside them."""
         calls = self.calls
         inside = sum(calls.values())
@@ -137,8 +136,8 @@ class LoopClock:
             parts = dict(compute=calls["forward"] + calls["backward"], blocked=0.0, optimizer=calls["step"],
                          boundary=0.0)
         parts["compute"] += calls["slow"]
-        parts["blocked"] += calls["debt"] + charged_s
-        parts["rest"] = max(0.0, loop_s - inside - charged_s)
+        parts["blocked"] += calls["debt"]
+        parts["rest"] = max(0.0, loop_s - inside)
         parts["unattributed"] = loop_s - sum(parts[name] for name in PARTS)
         return parts
 
@@ -171,7 +170,7 @@ def job_summary_ms(phases: Dict[str, float]) -> Optional[Dict[str, float]]:
     if jobs <= 0:
         return None
     summary = {key[len("job_"):-len("_s")]: 1e3 * value / jobs for key, value in phases.items()
-               if key.startswith("job_") and key.endswith("_s")}
+               if key.startswith("job_") and key.endswith("_s") and key != "job_s"}
     summary["total"] = 1e3 * phases.get("job_s", 0.0) / jobs
     summary["jobs"] = jobs
     return summary

@@ -231,7 +231,7 @@ def _snapshot(engine):
         return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
 
 
-def finish_job_in_flight(engine, poll_s: float = 5e-4) -> float:
+def finish_job_in_flight(engine) -> float:
     """Seconds until the communication job in flight (if any) is done; nothing else runs meanwhile.
 
     Called when the clock stops for an evaluation: the job then finishes alone, as fast as it would
@@ -239,14 +239,11 @@ def finish_job_in_flight(engine, poll_s: float = 5e-4) -> float:
     what the job still needed; a run without evaluation would have computed on meanwhile and waited
     only for what was left at its next boundary, which is where the training loop waits them out
     after the pause (docs/bench.md, "The clock")."""
-    def in_flight() -> bool:
-        return bool(getattr(engine, "communication_in_flight", False))
-
-    if not in_flight():
+    if not bool(getattr(engine, "communication_in_flight", False)):
         return 0.0
     start = time.perf_counter()
-    while in_flight():
-        time.sleep(poll_s)
+    # The schedule's own wait: it raises, naming the collective, if a peer died meanwhile.
+    engine.schedule.drain()
     return time.perf_counter() - start
 
 

@@ -122,6 +122,12 @@ class RegimeMonitor:
         else:
             self.round_bytes = ((compressed if config.compression.gradients else self.communication_bytes)
                                 + (compressed if config.compression.weights else self.model_bytes))
+        self.co2_merge_steps = 1
+        """Inner steps CO2's averaging may take: its default (eager merge) unless this engine is a CO2
+        one with ``anchor_merge_steps`` (0 or null: the paper's rule, ``local_steps``)."""
+        if self.type_name.lower() == "co2":
+            merge = getattr(config.params, "anchor_merge_steps", 1)
+            self.co2_merge_steps = int(merge) if merge else int(getattr(config.params, "local_steps", 1))
         self._start: Optional[tuple] = None
         self._logged: Optional[Regime] = None
 
@@ -131,7 +137,7 @@ class RegimeMonitor:
         start_steps, before = self._start
         return measure(before, breakdown, steps - start_steps, round_bytes=self.round_bytes,
                        model_bytes=self.model_bytes, communication_bytes=self.communication_bytes,
-                       block_size=self.block_size)
+                       co2_merge_steps=self.co2_merge_steps, block_size=self.block_size)
 
     def regime(self, steps: int, breakdown: Dict[str, float]) -> Optional[Regime]:
         """The logged regime, or before it is logged the one of the updates so far."""

@@ -124,7 +124,7 @@ class TimeBreakdown:
         blocked, optimizer = split_wait(start, end, spans, update_s=update_s, synchronous=synchronous)
         self.seconds["blocked"] += blocked
         self.seconds["optimizer"] += optimizer
-        if phases is not None:
+        if phases:  # a job whose result carries no phase clock (a gather of CO2's) is not counted
             self.jobs += 1
             for name, seconds in phases.items():
                 self.job_phase_s[name] = self.job_phase_s.get(name, 0.0) + seconds
@@ -134,7 +134,7 @@ class TimeBreakdown:
         if timeline.recording:
             timeline.add(Timeline.TRAINING, f"wait: {label}", start, end, part="blocked/optimizer",
                          blocked_ms=round(1e3 * blocked, 3), optimizer_ms=round(1e3 * optimizer, 3))
-            if phases is not None:
+            if phases:
                 for name, span_start, span_end in spans:
                     timeline.add(Timeline.COMMUNICATION, name, span_start, span_end, job=label)
 
