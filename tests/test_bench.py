@@ -610,7 +610,16 @@ def test_cluster_links_are_full_duplex_per_node_and_removed():
         assert "default" not in routes and "198.18.0.0/24" in routes
         m = netns.measure_cluster(c, seconds=0.5, env=_env())
         assert_full_duplex(200e6, m["one_way_bps"], m["duplex_bps"], m)
+        # The machine's CPU during the duplex transfer, per MB: moving bytes over TCP costs the kernel
+        # something (1.66-2.8 ms per MB on a 2-core AMD EPYC), and far less than a core's whole span.
+        cpu = m["duplex_cpu_ms_per_mb"]
+        assert set(cpu) == {"user", "system", "irq", "softirq"} and min(cpu.values()) >= 0.0, cpu
+        assert 0.0 < cpu["system"] + cpu["softirq"] + cpu["irq"] < 1e3 / (2 * 200 / 8), cpu
     assert not set(names) & set(_our_namespaces())
+    from deepspeed_acco.bench.summary import network_cpu_lines
+    line, = network_cpu_lines(dict(duplex_cpu_ms_per_mb=dict(user=0.1, system=1.1, irq=0.0, softirq=0.6)))
+    assert "1.80 ms per MB delivered, 1.70 of it in the kernel" in line, line
+    assert network_cpu_lines(dict(measured_bps=1e8)) == []
 
 
 def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_bound():

@@ -382,12 +382,32 @@ def measure_cluster(cluster: Cluster, seconds: float = 1.0, env=None) -> Dict[st
                 raise RuntimeError("link measurement between the emulated nodes timed out") from None
             if proc.returncode != 0:
                 raise RuntimeError(f"link measurement between the emulated nodes failed: {stderr.strip()[-500:]}")
-            out.append(json.loads(stdout.strip().splitlines()[-1]).get("received_bps"))
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
         return out
 
     one_way = transfers([(0, True, None), (1, False, 0)])[0]
     duplex = transfers([(0, True, 1), (1, True, 0)])
-    return dict(one_way_bps=float(one_way), duplex_bps=[float(x) for x in duplex])
+    out = dict(one_way_bps=float(one_way["received_bps"]), duplex_bps=[float(x["received_bps"]) for x in duplex])
+    cpu = duplex[0].get("cpu")
+    if cpu and duplex[0].get("cpu_span_s"):
+        # The machine's CPU while both directions ran (node 0's sending span), per MB delivered in it.
+        megabytes = sum(out["duplex_bps"]) * duplex[0]["cpu_span_s"] / 8e6
+        if megabytes > 0:
+            out["duplex_cpu_ms_per_mb"] = {name: 1e3 * seconds / megabytes for name, seconds in cpu.items()}
+    return out
+
+
+def cpu_times() -> Optional[Dict[str, float]]:
+    """The whole machine's busy CPU seconds so far by kind (``user``, ``system``, ``softirq``, ``irq``;
+    all cores, from /proc/stat), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    return dict(user=(values[0] + values[1]) / tick, system=values[2] / tick, irq=values[5] / tick,
+                softirq=values[6] / tick)
 
 
 def _receiver(server: socket.socket, result: dict) -> threading.Thread:
@@ -413,8 +433,10 @@ def _receiver(server: socket.socket, result: dict) -> threading.Thread:
     return th
 
 
-def _send(address: Tuple[str, int], seconds: float, connect_timeout_s: float = 20.0) -> None:
-    """Connect to ``address`` (retrying until its listener is up) and send for ``seconds``."""
+def _send(address: Tuple[str, int], seconds: float, connect_timeout_s: float = 20.0,
+          on_connected: Optional[Callable[[], None]] = None) -> None:
+    """Connect to ``address`` (retrying until its listener is up), call ``on_connected``, and send for
+    ``seconds``."""
     deadline = time.perf_counter() + connect_timeout_s
     while True:
         try:
@@ -424,6 +446,8 @@ def _send(address: Tuple[str, int], seconds: float, connect_timeout_s: float = 2
             if time.perf_counter() > deadline:
                 raise
             time.sleep(0.05)
+    if on_connected is not None:
+        on_connected()
     chunk = b"\x00" * (1 << 20)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -469,11 +493,20 @@ def main(argv=None) -> int:
         server.bind(_address(args.listen))
         server.listen(1)
         th = _receiver(server, got)
+    result = {}
     if args.send_to:
-        _send(_address(args.send_to), args.seconds)
+        # The machine's CPU is read over the sending span, from the connection on (so the peer's
+        # process has started, and its start-up is not counted).
+        mark = {}
+        _send(_address(args.send_to), args.seconds,
+              on_connected=lambda: mark.update(cpu=cpu_times(), start=time.perf_counter()))
+        after, end = cpu_times(), time.perf_counter()
+        if mark.get("cpu") is not None and after is not None:
+            result.update(cpu={name: after[name] - mark["cpu"][name] for name in after},
+                          cpu_span_s=end - mark["start"])
     if th is not None:
         th.join(timeout=30 + 2 * args.seconds)
-    print(json.dumps({"received_bps": got.get("bps")}))
+    print(json.dumps(dict(received_bps=got.get("bps"), **result)))
     return 0
 
 

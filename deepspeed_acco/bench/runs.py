@@ -81,7 +81,7 @@ class Network:
             m = netns.measure_cluster(self.cluster, 1.0, env=env)
             return dict(topology="cluster", nodes=self.args.nodes, ranks_per_node=self.args.ranks_per_node,
                         nominal_bps=self.bps, measured_bps=m["one_way_bps"], duplex_bps=m["duplex_bps"],
-                        qdisc=self.cluster.qdisc())
+                        duplex_cpu_ms_per_mb=m.get("duplex_cpu_ms_per_mb"), qdisc=self.cluster.qdisc())
         if self.namespace is not None:
             return dict(topology="loopback", nominal_bps=self.bps, qdisc=self.namespace.qdisc(),
                         measured_bps=netns.measure_rate(self.namespace, 1.0, env=env))

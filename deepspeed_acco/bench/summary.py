@@ -78,6 +78,18 @@ def _link_heading(label: str, link: dict) -> str:
     return f"## Link: {label} (one shaped loopback; measured {measured / 1e6:.0f} Mbit/s)"
 
 
+def network_cpu_lines(link: dict) -> List[str]:
+    """The emulated network's own CPU per MB, when the link measurement read it (docs/bench.md)."""
+    cpu = link.get("duplex_cpu_ms_per_mb")
+    if not cpu:
+        return []
+    kernel = cpu.get("system", 0.0) + cpu.get("softirq", 0.0) + cpu.get("irq", 0.0)
+    return [f"The emulated network's own CPU (the bulk transfer both ways at once, the whole machine from "
+            f"/proc/stat): {sum(cpu.values()):.2f} ms per MB delivered, {kernel:.2f} of it in the kernel (TCP, the "
+            f"nodes' and the switch's veth, bridge and tbf). It runs on the ranks' cores: a method that computes "
+            f"while it communicates pays it in its compute (docs/bench.md, \"The emulated network's CPU\")."]
+
+
 def _schedule_note(args) -> str:
     """Nothing for the default schedule (linear warm-up, then linear decay to lr/10 at --updates)."""
     note = ""
@@ -147,7 +159,7 @@ def finish(args, out, results, failed, meta, rates) -> None:
             parts += [f"### Over seeds {', '.join(map(str, args.seeds))}: validation loss after {args.updates} "
                       f"updates, gap to ZeRO-1 of the same seed\n", report.seeds_table(srows) + "\n"]
         probe = link.get("probe")
-        theory = _regime_lines(rows, meta.get("auto_bandwidth"), label)
+        theory = _regime_lines(rows, meta.get("auto_bandwidth"), label) + network_cpu_lines(link)
         theory += _theory_lines(args, rows, compute, n_params, measured, probe, nodes)
         theory += _noise_lines(rows)
         theory += breakdown_lines(rows)
