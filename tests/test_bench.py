@@ -622,6 +622,17 @@ def test_cluster_links_are_full_duplex_per_node_and_removed():
     assert network_cpu_lines(dict(measured_bps=1e8)) == []
 
 
+def test_report_names_the_update_kernels_our_engines_ran():
+    from types import SimpleNamespace
+    from deepspeed_acco.bench.summary import update_kernels_line
+    run = lambda *backends: SimpleNamespace(summaries={k: {"update_backend": b} for k, b in enumerate(backends)})
+    assert update_kernels_line([run(None, None)]) == ""  # DeepSpeed's engine or the compute-only loop
+    fused = "Update kernels of our engines: cpu, the fused C++ kernels"
+    assert update_kernels_line([run(None), run("cpu", "cpu")]) == fused + "."
+    line = update_kernels_line([run("cpu"), run("torch")])  # a fallback on one run is not hidden by the other
+    assert line.startswith(fused + "; torch, the torch reference"), line
+
+
 def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_bound():
     from deepspeed_acco.bench.methods import ds_config, parse_variant
     from deepspeed_acco.bench.report import bound_seconds

@@ -24,6 +24,7 @@ import sys
 
 import pytest
 
+from deepspeed_acco import ops
 from deepspeed_acco.bench import netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +63,8 @@ def _bench(out, eval_every: int, trace: str = "") -> dict:
             # The copy never waits for communication: a round on this link takes ~0.5 s or more,
             # a copy of the tiny model well under that.
             assert s["snapshot_s"] / s["evaluations"] < 0.05, s
+            # The update kernels our engine ran are recorded (and the report names them); none for DeepSpeed's.
+            assert s["update_backend"] == (None if method == "zero1" else ops.backend("cpu")), s["update_backend"]
             if method == "zero1":  # DeepSpeed's engine has no job in flight after a step
                 assert s["eval_comm_s"] == 0.0
             else:  # ACCO's estimate runs at every evaluation point (the first is before any job)
@@ -89,6 +92,8 @@ def _bench(out, eval_every: int, trace: str = "") -> dict:
                 assert regime["communication_share"] > 0.5, regime
                 assert regime["predicted_s"]["ACCO"] == pytest.approx(measured / 1e3, rel=0.2), (regime, measured)
         assert not rows[method]["old_clock"]
+    with open(os.path.join(out, "results.md")) as f:
+        assert f"Update kernels of our engines: {ops.backend('cpu')}, " in f.read()
     return rows
 
 

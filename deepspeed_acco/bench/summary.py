@@ -78,6 +78,19 @@ def _link_heading(label: str, link: dict) -> str:
     return f"## Link: {label} (one shaped loopback; measured {measured / 1e6:.0f} Mbit/s)"
 
 
+KERNEL_BACKENDS = {"cpu": "the fused C++ kernels", "cuda": "the fused CUDA kernels",
+                   "torch": "the torch reference (DEEPSPEED_ACCO_KERNELS=torch, or no compiled kernels on this CPU)"}
+
+
+def update_kernels_line(results) -> str:
+    """Which update kernels our engines ran, from the ranks' summaries ('' when none of ours ran)."""
+    used = sorted({s.get("update_backend") for r in results for s in r.summaries.values()} - {None})
+    if not used:
+        return ""
+    described = "; ".join(f"{name}, {KERNEL_BACKENDS.get(name, name)}" for name in used)
+    return f"Update kernels of our engines: {described}."
+
+
 def network_cpu_lines(link: dict) -> List[str]:
     """The emulated network's own CPU per MB, when the link measurement read it (docs/bench.md)."""
     cpu = link.get("duplex_cpu_ms_per_mb")
@@ -123,6 +136,9 @@ def finish(args, out, results, failed, meta, rates) -> None:
               f"updates; lr {args.lr:g}{_schedule_note(args)}; seeds {', '.join(map(str, args.seeds))}; data: {meta['corpus']}.\n")
     if meta.get("precision_why"):
         md.append(f"Precision: {meta['precision_why']}.\n")
+    kernels = update_kernels_line(results)
+    if kernels:
+        md.append(kernels + "\n")
     if meta.get("busy_warning"):
         md.append(meta["busy_warning"] + "\n")
     if meta.get("interrupted"):

@@ -231,6 +231,16 @@ def _snapshot(engine):
         return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
 
 
+def _update_backend(engine, device) -> Optional[str]:
+    """The update kernels our engine dispatches to on ``device`` (``cpu``/``cuda``: the fused kernels,
+    ``torch``: the reference); None for DeepSpeed's engine and the compute-only loop."""
+    from deepspeed_acco import ops
+    from .breakdown import engine_kind
+    if engine_kind(engine) != "ours":
+        return None
+    return ops.backend(device)
+
+
 def finish_job_in_flight(engine) -> float:
     """Seconds until the communication job in flight (if any) is done; nothing else runs meanwhile.
 
@@ -512,7 +522,7 @@ def run(args) -> dict:
                    breakdown_ms=per_update_ms(breakdown_at_updates, breakdown_updates),
                    job_ms=job_summary_ms(jobs_at_updates or {}),
                    warmup_sync_updates=getattr(getattr(engine, "schedule", None), "warmup_sync_updates", None),
-                   regime=_regime_record(engine))
+                   regime=_regime_record(engine), update_backend=_update_backend(engine, device))
     from .memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
     summary["memory"] = engine_memory(engine)
     with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
