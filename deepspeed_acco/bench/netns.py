@@ -397,9 +397,13 @@ def measure_cluster(cluster: Cluster, seconds: float = 1.0, env=None) -> Dict[st
     return out
 
 
+BUSY_KINDS = ("user", "system", "irq", "softirq")
+"""The kinds of :func:`cpu_times` that are this machine's own work (``steal`` is the hypervisor's)."""
+
+
 def cpu_times() -> Optional[Dict[str, float]]:
-    """The whole machine's busy CPU seconds so far by kind (``user``, ``system``, ``softirq``, ``irq``;
-    all cores, from /proc/stat), or None where there is no /proc/stat."""
+    """The whole machine's CPU seconds so far by kind (:data:`BUSY_KINDS`, ``user`` with ``nice``, and
+    ``steal``; all cores, from /proc/stat), or None where there is no /proc/stat."""
     try:
         with open("/proc/stat") as f:
             values = [int(v) for v in f.readline().split()[1:]]
@@ -407,7 +411,7 @@ def cpu_times() -> Optional[Dict[str, float]]:
         return None
     tick = float(os.sysconf("SC_CLK_TCK"))
     return dict(user=(values[0] + values[1]) / tick, system=values[2] / tick, irq=values[5] / tick,
-                softirq=values[6] / tick)
+                softirq=values[6] / tick, steal=(values[7] if len(values) > 7 else 0) / tick)
 
 
 def _receiver(server: socket.socket, result: dict) -> threading.Thread:
@@ -502,7 +506,7 @@ def main(argv=None) -> int:
               on_connected=lambda: mark.update(cpu=cpu_times(), start=time.perf_counter()))
         after, end = cpu_times(), time.perf_counter()
         if mark.get("cpu") is not None and after is not None:
-            result.update(cpu={name: after[name] - mark["cpu"][name] for name in after},
+            result.update(cpu={name: after[name] - mark["cpu"][name] for name in BUSY_KINDS},
                           cpu_span_s=end - mark["start"])
     if th is not None:
         th.join(timeout=30 + 2 * args.seconds)

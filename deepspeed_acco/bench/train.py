@@ -210,15 +210,11 @@ def co2_options(args) -> dict:
 
 def _system_cpu():
     """``(busy, steal)`` CPU seconds of the whole machine so far (all cores, from /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+    from .netns import BUSY_KINDS, cpu_times
+    times = cpu_times()
+    if times is None:
         return None
-    tck = os.sysconf("SC_CLK_TCK")
-    user, nice, system, idle, iowait, irq, softirq = fields[:7]
-    steal = fields[7] if len(fields) > 7 else 0
-    return (user + nice + system + irq + softirq) / tck, steal / tck
+    return sum(times[kind] for kind in BUSY_KINDS), times["steal"]
 
 
 def _snapshot(engine):
@@ -249,7 +245,7 @@ def finish_job_in_flight(engine) -> float:
     what the job still needed; a run without evaluation would have computed on meanwhile and waited
     only for what was left at its next boundary, which is where the training loop waits them out
     after the pause (docs/bench.md, "The clock")."""
-    if not bool(getattr(engine, "communication_in_flight", False)):
+    if not getattr(engine, "communication_in_flight", False):
         return 0.0
     start = time.perf_counter()
     # The schedule's own wait: it raises, naming the collective, if a peer died meanwhile.

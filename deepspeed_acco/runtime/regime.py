@@ -122,12 +122,9 @@ class RegimeMonitor:
         else:
             self.round_bytes = ((compressed if config.compression.gradients else self.communication_bytes)
                                 + (compressed if config.compression.weights else self.model_bytes))
-        self.co2_merge_steps = 1
-        """Inner steps CO2's averaging may take: its default (eager merge) unless this engine is a CO2
-        one with ``anchor_merge_steps`` (0 or null: the paper's rule, ``local_steps``)."""
-        if self.type_name.lower() == "co2":
-            merge = getattr(config.params, "anchor_merge_steps", 1)
-            self.co2_merge_steps = int(merge) if merge else int(getattr(config.params, "local_steps", 1))
+        self.co2_merge_steps = config.params.averaging_steps if self.type_name.lower() == "co2" else 1
+        """Inner steps CO2's averaging may take: this engine's own if it is a CO2 one, else CO2's
+        default (the eager merge's one step)."""
         self._start: Optional[tuple] = None
         self._logged: Optional[Regime] = None
 

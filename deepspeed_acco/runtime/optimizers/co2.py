@@ -92,6 +92,12 @@ class CO2Params(WarmupParams, AdamWParams):
         """Whether the anchor is merged within the round (anchor_merge_steps >= 1), else the paper's rule."""
         return bool(self.anchor_merge_steps)
 
+    @property
+    def averaging_steps(self) -> int:
+        """Inner steps the averaging job may take before it is waited for: ``anchor_merge_steps`` under
+        the eager merge, a whole round (``local_steps``) under the paper's rule."""
+        return int(self.anchor_merge_steps) if self.eager_merge else int(self.local_steps)
+
     def validate(self, prefix: str) -> None:
         if self.warmup_sync_updates == AUTO:
             raise config_error(f"{prefix}.warmup_sync_updates", "\"auto\" is derived for DPU and ACCO; a "
