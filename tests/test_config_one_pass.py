@@ -327,8 +327,10 @@ def _auto_cast_worker(rank, world_size):
                   "fp16": {"enabled": True, "auto_cast": auto_cast},
                   "zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 5e8}}
         engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(), config=config)
-        x = torch.ones(4)
-        loss = engine(x, (torch.ones(4), {"y": torch.ones(4)}), torch.arange(4), scale=torch.ones(4))
+        device = engine.device
+        x = torch.ones(4, device=device)
+        loss = engine(x, (torch.ones(4, device=device), {"y": torch.ones(4, device=device)}),
+                      torch.arange(4, device=device), scale=torch.ones(4, device=device))
         engine.backward(loss)
         engine.step()
         results[auto_cast] = (model.seen, loss.dtype, engine.global_steps, x.dtype)
