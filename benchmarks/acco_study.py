@@ -103,8 +103,8 @@ class Model:
 
     def __init__(self, args, corpus):
         import torch
-        from deepspeed_acco.bench.data import WindowSampler
-        from deepspeed_acco.bench.models import build_model
+        from deepspeed_acco.bench.workload.data import WindowSampler
+        from deepspeed_acco.bench.workload.models import build_model
         self.torch = torch
         self.args = args
         self.model = build_model(args.model, args.ctx, args.seed)
@@ -152,8 +152,8 @@ def clipped_mean(args, total, count):
 
 def run(args):
     import torch
-    from deepspeed_acco.bench.data import load_corpus
-    from deepspeed_acco.bench.methods import warmup_decay_lr
+    from deepspeed_acco.bench.workload.data import load_corpus
+    from deepspeed_acco.bench.workload.methods import warmup_decay_lr
 
     torch.set_num_threads(args.threads)
     corpus = load_corpus(None)

@@ -124,8 +124,8 @@ class Replica:
 
     def __init__(self, args, ranks, corpus, initial_state):
         import torch
-        from deepspeed_acco.bench.data import WindowSampler
-        from deepspeed_acco.bench.models import build_model
+        from deepspeed_acco.bench.workload.data import WindowSampler
+        from deepspeed_acco.bench.workload.models import build_model
         self.torch = torch
         self.args = args
         self.model = build_model(args.model, args.ctx, args.seed)
@@ -177,8 +177,8 @@ class Replica:
 
 class Evaluator:
     def __init__(self, args, corpus):
-        from deepspeed_acco.bench.data import validation_windows
-        from deepspeed_acco.bench.models import build_model
+        from deepspeed_acco.bench.workload.data import validation_windows
+        from deepspeed_acco.bench.workload.models import build_model
         import torch
         self.torch = torch
         self.model = build_model(args.model, args.ctx, args.seed)
@@ -220,9 +220,9 @@ def norm(t) -> float:
 
 def run(args) -> Dict:
     import torch
-    from deepspeed_acco.bench.data import load_corpus
-    from deepspeed_acco.bench.methods import warmup_decay_lr
-    from deepspeed_acco.bench.models import build_model
+    from deepspeed_acco.bench.workload.data import load_corpus
+    from deepspeed_acco.bench.workload.methods import warmup_decay_lr
+    from deepspeed_acco.bench.workload.models import build_model
 
     torch.set_num_threads(args.threads)
     corpus = load_corpus(None)

@@ -70,8 +70,8 @@ def mean_and_se(values):
 def main(argv=None):
     args = parse_args(argv)
     import torch
-    from deepspeed_acco.bench.data import load_corpus, validation_windows
-    from deepspeed_acco.bench.models import build_model
+    from deepspeed_acco.bench.workload.data import load_corpus, validation_windows
+    from deepspeed_acco.bench.workload.models import build_model
     torch.set_num_threads(args.threads)
     corpus = load_corpus(None)
     windows = validation_windows(corpus.val, args.ctx, args.windows)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from deepspeed_acco.bench import netns, report
-from deepspeed_acco.bench.methods import METHODS, ds_config, parse_variant, resolve_methods, warmup_decay_lr
+from deepspeed_acco.bench.workload.methods import METHODS, ds_config, parse_variant, resolve_methods, warmup_decay_lr
 from deepspeed_acco.bench.train import is_eval_update, parse_slow_rank
 from link_checks import assert_full_duplex
 
@@ -83,7 +83,7 @@ def test_method_modifiers_merge_into_the_config():
     q8 = ds_config("acco+q8", **common)["zero_optimization"]
     assert q8 == {"zero_quantized_gradients": True, "zero_quantized_weights": True}
     assert ds_config("zero1+bf16comm", **common)["zero_optimization"] == {"stage": 1}
-    from deepspeed_acco.bench.methods import _merge  # nested sections merge key by key, inputs untouched
+    from deepspeed_acco.bench.workload.methods import _merge  # nested sections merge key by key, inputs untouched
     base = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
     assert _merge(base, {"zero_optimization": {"zero_quantized_gradients": True}}) == {
         "zero_optimization": {"stage": 1, "zero_quantized_gradients": True}, "bf16": {"enabled": True}}
@@ -110,7 +110,7 @@ def test_method_modifiers_merge_into_the_config():
 def test_engine_refusal_of_a_modifier_is_reported_before_any_job(monkeypatch):
     """A modifier our engine does not support (here fp16 communication) is refused by the engine's own
     config parser, with its message, before any job starts; DeepSpeed's own methods are not checked."""
-    from deepspeed_acco.bench import methods
+    from deepspeed_acco.bench.workload import methods
     from deepspeed_acco.bench.__main__ import build_parser, check_args, refused_by_engine
     monkeypatch.setitem(methods.MODIFIERS, "fp16comm", methods.Modifier("fp16comm", "fp16 comm",
                                                                          {"communication_data_type": "fp16"}))
@@ -634,7 +634,7 @@ def test_report_names_the_update_kernels_our_engines_ran():
 
 
 def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_bound():
-    from deepspeed_acco.bench.methods import ds_config, parse_variant
+    from deepspeed_acco.bench.workload.methods import ds_config, parse_variant
     from deepspeed_acco.bench.report import bound_seconds
     common = dict(world_size=2, micro_batch=4, grad_accum=2, lr=1e-3, total_updates=30, warmup=5)
     cfg = ds_config("co2+eager", **common, warmup_sync_updates=6)
@@ -657,7 +657,7 @@ def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_boun
     # one inner step; plain CO2 follows the engine's default anchor_merge_steps.
     assert bound_seconds("co2+paper", 1.0, 6.0, 12) == 1.0
     assert bound_seconds("co2+eager", 1.0, 6.0, 12) == 6.0
-    from deepspeed_acco.bench.methods import co2_overlap_steps
+    from deepspeed_acco.bench.workload.methods import co2_overlap_steps
     from deepspeed_acco.runtime.optimizers.co2 import CO2Params
     default_merge = CO2Params.__dataclass_fields__["anchor_merge_steps"].default
     assert co2_overlap_steps("co2", 12) == (default_merge or 12)
@@ -680,7 +680,7 @@ def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_boun
 
 
 def test_precision_auto_follows_native_bf16():
-    from deepspeed_acco.bench.precision import choose_precision
+    from deepspeed_acco.bench.workload.precision import choose_precision
     no = lambda: False  # noqa: E731
     # A CPU with AVX512-BF16 or AMX: bf16, and the reason names the flag.
     prec, why = choose_precision("auto", cuda_available=False, flags=lambda: {"avx2", "avx512f", "avx512_bf16"},

@@ -26,8 +26,8 @@ from typing import Dict, List, Optional
 from . import netns
 from .faults import check_fault_args, run_fault_bench
 from .jobs import Placement, probe_comm, run_job
-from .methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
-from .models import DEFAULT_PRESET, PRESETS
+from .workload.methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
+from .workload.models import DEFAULT_PRESET, PRESETS
 from .runs import Network, worker_args
 from .summary import finish, replot
 from .train import _sync_updates
@@ -334,7 +334,7 @@ def check_args(args, methods: List[str]) -> None:
     if args.max_updates is not None and args.max_updates < args.updates:
         raise SystemExit(f"--max-updates ({args.max_updates}) must be >= --updates ({args.updates})")
     if not hasattr(args, "precision_why"):  # --precision auto -> bf16 or fp32, once
-        from .precision import choose_precision
+        from .workload.precision import choose_precision
         args.precision_requested = args.precision
         args.precision, args.precision_why = choose_precision(args.precision)
     if args.eval_every is None:
@@ -350,7 +350,7 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
     yet), with the engine's message; checked before any job starts, with the engine's own parser."""
     from deepspeed_acco.runtime.config import parse_config
 
-    from .methods import BETA2, ds_config
+    from .workload.methods import BETA2, ds_config
     from .train import co2_options
     world = args.nodes * args.ranks_per_node
     out = {}
@@ -563,8 +563,8 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out or os.path.join("bench_out", stamp))
     os.makedirs(out, exist_ok=True)
 
-    from .data import load_corpus
-    from .models import build_model, count_parameters
+    from .workload.data import load_corpus
+    from .workload.models import build_model, count_parameters
     corpus = load_corpus(args.data, cache_dir=args.cache_dir or None)  # build the cache once, before the ranks
     n_params = count_parameters(build_model(args.model, args.ctx, args.seeds[0]))
     info = machine_info()

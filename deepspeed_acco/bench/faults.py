@@ -281,7 +281,7 @@ def wait_for_no_processes(run_dir: str, seconds: float = 10.0) -> None:
 def check_fault_args(args, methods: List[str]) -> Fault:
     """Refuse what a fault run cannot do (SystemExit naming the flag and the fix); whether this machine can
     emulate nodes at all is the bench's check (``__main__.require_network``)."""
-    from .methods import parse_variant
+    from .workload.methods import parse_variant
     try:
         fault = parse_fault(args.fault)
     except ValueError as exc:
@@ -310,7 +310,7 @@ def check_fault_args(args, methods: List[str]) -> Fault:
 def recovery_accumulation(args, fault: Fault, methods: List[str]) -> int:
     """With ``--recover``: the gradient accumulation that keeps the global batch on the nodes left
     (SystemExit naming the flag and the fix where it cannot)."""
-    from .methods import parse_variant
+    from .workload.methods import parse_variant
     if fault.kind != "node-kill":
         raise SystemExit(f"--recover relaunches after a lost node: use it with --fault node-kill@U (got {fault.spec()})")
     co2 = [m for m in methods if parse_variant(m).method.name == "co2"]
@@ -458,7 +458,7 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
 def run_fault_bench(args, methods: List[str], out: str, command: str, machine: dict) -> int:
     """Run every method with ``args.fault`` on a fresh emulated cluster each; write faults.json/.md in ``out``."""
     from .jobs import run_job
-    from .methods import parse_variant
+    from .workload.methods import parse_variant
     fault = check_fault_args(args, methods)
     bps = netns.parse_bandwidth("100mbit" if args.bandwidth == "auto" else args.bandwidth)
     timeout_s = args.communication_timeout_s

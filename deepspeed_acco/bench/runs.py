@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from . import netns
 from .jobs import Placement
-from .methods import parse_variant
+from .workload.methods import parse_variant
 
 
 def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: Optional[float] = None) -> List[str]:

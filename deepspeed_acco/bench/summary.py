@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from . import netns
 from .breakdown import breakdown_lines
-from .methods import BASELINE, co2_overlap_steps, parse_variant, resolve_methods
+from .workload.methods import BASELINE, co2_overlap_steps, parse_variant, resolve_methods
 
 
 def normalize_args(args):

@@ -60,8 +60,8 @@ def _sync_updates(text: str):
 
 
 def parse_args(argv=None):
-    from .methods import LR_SCHEDULES, parse_variant
-    from .models import DEFAULT_PRESET, PRESETS
+    from .workload.methods import LR_SCHEDULES, parse_variant
+    from .workload.models import DEFAULT_PRESET, PRESETS
 
     def method(text):
         if text == "compute":
@@ -147,7 +147,7 @@ class _ComputeOnly:
 
     def __init__(self, model, args, world_size):
         import torch
-        from .methods import BETA2, warmup_decay_lr
+        from .workload.methods import BETA2, warmup_decay_lr
         self.args, self.torch = args, torch
         self.bf16 = args.precision == "bf16"
         if self.bf16:
@@ -304,9 +304,9 @@ def run(args) -> dict:
     import torch.distributed as dist
 
     from .breakdown import TRACE_UPDATES, LoopClock, engine_kind, job_summary_ms, per_update_ms
-    from .data import WindowSampler, load_corpus, validation_windows
-    from .methods import BETA2, ds_config
-    from .models import build_model, count_parameters
+    from .workload.data import WindowSampler, load_corpus, validation_windows
+    from .workload.methods import BETA2, ds_config
+    from .workload.models import build_model, count_parameters
 
     t_proc = time.perf_counter()
     torch.set_num_threads(args.threads)

@@ -45,7 +45,7 @@ BASELINE = "zero1"
 def rounds_per_update(method: str, local_steps: int) -> float:
     """Communication rounds (reduce-scatter + update + all-gather) per update: ACCO 2 (estimate and
     commit), CO2 one per ``local_steps`` inner steps, the others 1."""
-    from ..methods import METHODS
+    from ..workload.methods import METHODS
     if method == "co2":
         return 1.0 / local_steps
     return METHODS[method].comm_jobs
@@ -204,7 +204,7 @@ def floor_ms(args, device, tokens) -> dict:
     """Forward + backward of one update's micro-batches on the bench's model, nothing else."""
     import torch
 
-    from ..models import build_model
+    from ..workload.models import build_model
     model = build_model(args.model, args.ctx, seed=0).to(device)
     if args.precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -339,7 +339,7 @@ def run(args) -> dict:
     import torch
 
     from ..linkemu import Link, LinkEmulator, rate_for_share
-    from ..models import build_model, count_parameters
+    from ..workload.models import build_model, count_parameters
     clock = Clock()
 
     def log(text):

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..methods import parse_variant
+from ..workload.methods import parse_variant
 
 # ----------------------------------------------------------------------------------------------
 # The collectives: how many sequential messages one call sends, and how many bytes cross a link
