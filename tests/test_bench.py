@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from deepspeed_acco.bench import netns, report
+from deepspeed_acco.bench import report
+from deepspeed_acco.bench.network import netns
 from deepspeed_acco.bench.workload.methods import METHODS, ds_config, parse_variant, resolve_methods, warmup_decay_lr
 from deepspeed_acco.bench.train import is_eval_update, parse_slow_rank
 from link_checks import assert_full_duplex

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from deepspeed_acco.bench import faults, netns
+from deepspeed_acco.bench import faults
+from deepspeed_acco.bench.network import netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 20

@@ -23,9 +23,9 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import netns
+from .network import netns
 from .faults import check_fault_args, run_fault_bench
-from .jobs import Placement, probe_comm, run_job
+from .network.jobs import Placement, probe_comm, run_job
 from .workload.methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
 from .workload.models import DEFAULT_PRESET, PRESETS
 from .runs import Network, worker_args

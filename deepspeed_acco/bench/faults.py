@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from . import netns
+from .network import netns
 from .runs import Network, worker_args
 
 KINDS = ("link-down", "flap", "node-kill")
@@ -418,7 +418,7 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
     global batch: ``accumulation`` micro-batches per rank, :func:`recovery_accumulation`) up to
     ``--updates``; compare with the undisturbed run."""
     import copy
-    from .jobs import run_job
+    from .network.jobs import run_job
     save_dir = os.path.join(run_dir, "checkpoints")
     record = checkpoint_record(save_dir)
     left_args = copy.copy(args)
@@ -457,7 +457,7 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
 
 def run_fault_bench(args, methods: List[str], out: str, command: str, machine: dict) -> int:
     """Run every method with ``args.fault`` on a fresh emulated cluster each; write faults.json/.md in ``out``."""
-    from .jobs import run_job
+    from .network.jobs import run_job
     from .workload.methods import parse_variant
     fault = check_fault_args(args, methods)
     bps = netns.parse_bandwidth("100mbit" if args.bandwidth == "auto" else args.bandwidth)

@@ -210,7 +210,7 @@ def co2_options(args) -> dict:
 
 def _system_cpu():
     """``(busy, steal)`` CPU seconds of the whole machine so far (all cores, from /proc/stat), or None."""
-    from .netns import BUSY_KINDS, cpu_times
+    from .network.netns import BUSY_KINDS, cpu_times
     times = cpu_times()
     if times is None:
         return None

@@ -27,7 +27,7 @@ def setup(args):
     """Pick the device, model and precision; start torch.distributed as one rank. Returns the device."""
     import torch
 
-    from ..jobs import free_port
+    from ..network.jobs import free_port
     from ..workload.precision import choose_precision
     from deepspeed_acco.runtime.comm import prepare_nccl_environment
     from deepspeed_acco.runtime.initialize import init_distributed

@@ -3,7 +3,7 @@
 One process (world size 1) trains the bench's GPT-Neo (125M on CUDA, in bf16 where the device has
 it) on random byte tokens already on the device, with DeepSpeed's ZeRO-1 and our ShardedAdamW, DPU,
 ACCO and CO2, every collective delayed by its time on an emulated ring of W ranks
-(deepspeed_acco.bench.linkemu). It measures, in this order:
+(deepspeed_acco.bench.network.linkemu). It measures, in this order:
 
 1. the forward + backward floor T_compute: the update's micro-batches, no optimizer, no collective;
 2. per method, its update time t_0 with no link (the emulator counts the traffic, delays nothing);
@@ -169,7 +169,7 @@ def time_windows(run_updates, device, args, emulator=None) -> list:
             record = records[index].as_dict()
             if record["unmodelled"]:
                 raise RuntimeError(f"the timed updates issued collectives the link emulator does not model: "
-                                   f"{record['unmodelled']} (deepspeed_acco/bench/linkemu.py)")
+                                   f"{record['unmodelled']} (deepspeed_acco/bench/network/linkemu.py)")
             window["link_ms"] = 1e3 * record["measured_s"] / args.updates
         windows.append(window)
     return windows
@@ -226,7 +226,7 @@ def calibrate(device, log) -> dict:
     """The spin's clock, checked on three delays and for running beside another stream (linkemu).
 
     A check that fails gets one more calibration before the study stops."""
-    from .. import linkemu
+    from ..network import linkemu
     for attempt in (1, 2):
         calibration = linkemu.calibrate_spin(device)
         try:
@@ -243,7 +243,7 @@ def calibrate(device, log) -> dict:
 def measure_method(method: str, args, device, tokens, emulator, links_for, log, trace=False) -> dict:
     """t_0 (no link), then one point per link of ``links_for(result with t_0)`` (the baseline's links
     come from its own t_0 and traffic)."""
-    from ..linkemu import Link
+    from ..network.linkemu import Link
     engine, _ = build_engine(method, args, device, grad_accum=args.grad_accum, lr=1e-4, total_updates=10**6,
                              warmup=2, lr_schedule="constant", warmup_sync_updates=0, local_steps=args.local_steps)
     trainer = Trainer(engine, tokens)
@@ -338,7 +338,7 @@ def markdown(payload: dict) -> str:
 def run(args) -> dict:
     import torch
 
-    from ..linkemu import Link, LinkEmulator, rate_for_share
+    from ..network.linkemu import Link, LinkEmulator, rate_for_share
     from ..workload.models import build_model, count_parameters
     clock = Clock()
 

@@ -85,7 +85,7 @@ def child_env(threads: int) -> dict:
     # DeepSpeed JIT-builds a small shared-memory op in every initialize on CPU. A private build folder
     # keeps other DeepSpeed users of this machine (with other compiler flags) from forcing rebuilds.
     if not env.get("TORCH_EXTENSIONS_DIR"):
-        from .workload.data import default_cache_dir
+        from ..workload.data import default_cache_dir
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(default_cache_dir(), "torch_extensions")
     return env
 

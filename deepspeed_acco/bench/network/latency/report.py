@@ -1,6 +1,6 @@
-"""The latency model's command line (``python -m deepspeed_acco.bench.latency``): run the sized probe on
+"""The latency model's command line (``python -m deepspeed_acco.bench.network.latency``): run the sized probe on
 two emulated nodes (:func:`measure`), and turn a probe and a bench report into the markdown of fits,
-checks and predicted ms/update (:func:`report_markdown`). The model itself: :mod:`deepspeed_acco.bench.latency`."""
+checks and predicted ms/update (:func:`report_markdown`). The model itself: :mod:`deepspeed_acco.bench.network.latency`."""
 import argparse
 import json
 import math
@@ -206,7 +206,7 @@ def measure(rate: str, out_path: str, sizes: str = DEFAULT_SIZES, repeats: int =
                                measured_bps=link["one_way_bps"], duplex_bps=link["duplex_bps"], qdisc=cluster.qdisc()),
                      repeats=int(repeats), probe_wall_s=time.time() - started, loadavg_before=load_before,
                      loadavg_after=os.getloadavg()[0],
-                     command=f"python -m deepspeed_acco.bench.latency --measure {rate} --out {out_path} "
+                     command=f"python -m deepspeed_acco.bench.network.latency --measure {rate} --out {out_path} "
                              f"--sizes {sizes} --repeats {repeats}")
     finally:
         cluster.delete()
@@ -217,7 +217,7 @@ def measure(rate: str, out_path: str, sizes: str = DEFAULT_SIZES, repeats: int =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench.latency",
+    p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench.network.latency",
                                 description="Predict each method's ms/update at added one-way latency from an "
                                 "alpha-beta fit of commprobe --sizes and a bench report.")
     p.add_argument("--measure", metavar="RATE", default="",
