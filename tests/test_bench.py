@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from deepspeed_acco.bench import report
+from deepspeed_acco.bench.reporting import report
 from deepspeed_acco.bench.network import netns
 from deepspeed_acco.bench.workload.methods import METHODS, ds_config, parse_variant, resolve_methods, warmup_decay_lr
 from deepspeed_acco.bench.train import is_eval_update, parse_slow_rank
@@ -617,7 +617,7 @@ def test_cluster_links_are_full_duplex_per_node_and_removed():
         assert set(cpu) == {"user", "system", "irq", "softirq"} and min(cpu.values()) >= 0.0, cpu
         assert 0.0 < cpu["system"] + cpu["softirq"] + cpu["irq"] < 1e3 / (2 * 200 / 8), cpu
     assert not set(names) & set(_our_namespaces())
-    from deepspeed_acco.bench.summary import network_cpu_lines
+    from deepspeed_acco.bench.reporting.summary import network_cpu_lines
     line, = network_cpu_lines(dict(duplex_cpu_ms_per_mb=dict(user=0.1, system=1.1, irq=0.0, softirq=0.6)))
     assert "1.80 ms per MB delivered, 1.70 of it in the kernel" in line, line
     assert network_cpu_lines(dict(measured_bps=1e8)) == []
@@ -625,7 +625,7 @@ def test_cluster_links_are_full_duplex_per_node_and_removed():
 
 def test_report_names_the_update_kernels_our_engines_ran():
     from types import SimpleNamespace
-    from deepspeed_acco.bench.summary import update_kernels_line
+    from deepspeed_acco.bench.reporting.summary import update_kernels_line
     run = lambda *backends: SimpleNamespace(summaries={k: {"update_backend": b} for k, b in enumerate(backends)})
     assert update_kernels_line([run(None, None)]) == ""  # DeepSpeed's engine or the compute-only loop
     fused = "Update kernels of our engines: cpu, the fused C++ kernels"
@@ -636,7 +636,7 @@ def test_report_names_the_update_kernels_our_engines_ran():
 
 def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_bound():
     from deepspeed_acco.bench.workload.methods import ds_config, parse_variant
-    from deepspeed_acco.bench.report import bound_seconds
+    from deepspeed_acco.bench.reporting.report import bound_seconds
     common = dict(world_size=2, micro_batch=4, grad_accum=2, lr=1e-3, total_updates=30, warmup=5)
     cfg = ds_config("co2+eager", **common, warmup_sync_updates=6)
     assert cfg["optimizer"]["params"]["anchor_merge_steps"] == 1
@@ -706,7 +706,7 @@ def test_precision_auto_follows_native_bf16():
 
 
 def test_auto_bandwidth_solves_for_the_share():
-    from deepspeed_acco.bench.commprobe import rate_for_share
+    from deepspeed_acco.bench.reporting.commprobe import rate_for_share
     bits, t_compute = 8e6, 0.6
     # No fixed part: a third of the update is T_comm = T_compute / 2 = 0.3 s, so 8 Mbit / 0.3 s.
     rate, fixed = rate_for_share(1 / 3, t_compute, bits, 1e8, bits / 1e8)
@@ -727,8 +727,8 @@ def test_auto_bandwidth_counts_what_the_probe_moves():
     all-gather, 1.5x the ideal round at two ranks; the rate must count that volume, or its extra
     half passes for a fixed part that does not shrink with the rate. The figures are a bf16 demo's
     (compute-only 432 ms/update; the probe's round 384 ms at 243.726 Mbit/s)."""
-    from deepspeed_acco.bench import report
-    from deepspeed_acco.bench.commprobe import rate_for_share
+    from deepspeed_acco.bench.reporting import report
+    from deepspeed_acco.bench.reporting.commprobe import rate_for_share
     n, world, nodes = 3_287_552, 2, 2
     ideal = report.method_comm_seconds("zero1", n, world, 1.0, "bf16", nodes)
     probe = report.probe_round_bits("zero1", n, world, "bf16", nodes)

@@ -29,7 +29,7 @@ from .network.jobs import Placement, probe_comm, run_job
 from .workload.methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
 from .workload.models import DEFAULT_PRESET, PRESETS
 from .runs import Network, worker_args
-from .summary import finish, replot
+from .reporting.summary import finish, replot
 from .train import _sync_updates
 
 DEFAULT_UPDATES = 50
@@ -397,8 +397,8 @@ def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, m
     compute-only run and T_comm from ZeRO-1's collectives timed on the emulated network at a first
     guess of the rate (a round takes a fixed part plus the bytes the probe moves / rate:
     report.probe_round_bits, commprobe.rate_for_share)."""
-    from . import report
-    from .commprobe import rate_for_share
+    from .reporting import report
+    from .reporting.commprobe import rate_for_share
     share = args.comm_share
     if compute is None or not shaping_ok:
         print("note: --bandwidth auto needs the compute-only run and a shaped network; running unshaped", flush=True)
@@ -589,7 +589,7 @@ def main(argv=None) -> int:
     if busy:
         print(busy, flush=True)
 
-    from . import report
+    from .reporting import report
     results, failed = [], []
     meta = dict(command="python -m deepspeed_acco.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
                 date_utc=stamp, machine=info, n_params=n_params, corpus=corpus.describe(), args=vars(args),

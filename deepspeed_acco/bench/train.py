@@ -231,7 +231,7 @@ def _update_backend(engine, device) -> Optional[str]:
     """The update kernels our engine dispatches to on ``device`` (``cpu``/``cuda``: the fused kernels,
     ``torch``: the reference); None for DeepSpeed's engine and the compute-only loop."""
     from deepspeed_acco import ops
-    from .breakdown import engine_kind
+    from .reporting.breakdown import engine_kind
     if engine_kind(engine) != "ours":
         return None
     return ops.backend(device)
@@ -303,7 +303,7 @@ def run(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .breakdown import TRACE_UPDATES, LoopClock, engine_kind, job_summary_ms, per_update_ms
+    from .reporting.breakdown import TRACE_UPDATES, LoopClock, engine_kind, job_summary_ms, per_update_ms
     from .workload.data import WindowSampler, load_corpus, validation_windows
     from .workload.methods import BETA2, ds_config
     from .workload.models import build_model, count_parameters
@@ -519,7 +519,7 @@ def run(args) -> dict:
                    job_ms=job_summary_ms(jobs_at_updates or {}),
                    warmup_sync_updates=getattr(getattr(engine, "schedule", None), "warmup_sync_updates", None),
                    regime=_regime_record(engine), update_backend=_update_backend(engine, device))
-    from .memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
+    from .reporting.memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
     summary["memory"] = engine_memory(engine)
     with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -52,9 +52,9 @@ def rounds_per_update(method: str, local_steps: int) -> float:
 
 
 def bound_ms(method: str, floor_ms: float, link_ms: float, local_steps: int) -> float:
-    """The method's bound per update (docs/design.md; deepspeed_acco.bench.report.bound_seconds), with
+    """The method's bound per update (docs/design.md; deepspeed_acco.bench.reporting.report.bound_seconds), with
     T_compute the floor and T_comm the link time of one round."""
-    from ..report import bound_seconds
+    from ..reporting.report import bound_seconds
     round_ms = link_ms / rounds_per_update(method, local_steps)
     return bound_seconds(method, floor_ms, round_ms, local_steps=local_steps)
 

@@ -321,7 +321,7 @@ def probe_comm(placement: Placement, n_params: int, out_path: str, threads: int,
     ``extra_args``: more of commprobe's flags (``--sizes``, ``--repeats``)."""
     run_dir = os.path.dirname(out_path)
     args = ["--numel", str(n_params), "--out", out_path, "--param-dtype", param_dtype, *extra_args]
-    commands = node_commands(placement, "torchrun", "deepspeed_acco.bench.commprobe", args, run_dir, threads,
+    commands = node_commands(placement, "torchrun", "deepspeed_acco.bench.reporting.commprobe", args, run_dir, threads,
                              port=PROBE_PORT if placement.private_network else None, job_id=f"probe{os.getpid()}")
     log_path = out_path + ".log"
     procs = []

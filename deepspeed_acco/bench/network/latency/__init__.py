@@ -26,7 +26,7 @@ Assumptions of the prediction (they are what "one one-way latency per step" need
   (:func:`gloo_all_reduce_window_ok` says when).
 
 "Bytes through the busiest link" counts one direction of one node's link with one rank per node,
-as :func:`deepspeed_acco.bench.report.comm_round_seconds` does for ``nodes >= 2``: a reduce-scatter, an all-gather or an
+as :func:`deepspeed_acco.bench.reporting.report.comm_round_seconds` does for ``nodes >= 2``: a reduce-scatter, an all-gather or an
 all-to-all of an ``N``-byte vector sends (W - 1) / W x N bytes out of every node, an all-reduce
 twice that.
 
@@ -176,7 +176,7 @@ def probe_points(probe: dict, collective: str, bucket_bytes: Optional[int] = Non
     """
     sizes = probe.get("sizes")
     if not sizes:
-        raise ValueError("the probe JSON has no \"sizes\": run python -m deepspeed_acco.bench.commprobe with "
+        raise ValueError("the probe JSON has no \"sizes\": run python -m deepspeed_acco.bench.reporting.commprobe with "
                          "--sizes N1,N2,... (element counts) to time the collectives at several sizes")
     world = int(probe["world_size"])
     key = PROBE_KEYS[collective]

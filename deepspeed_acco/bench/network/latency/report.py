@@ -16,7 +16,7 @@ from . import (BUCKET_MARGIN, comm_seconds, fit_probe, gloo_all_reduce_window_ok
 
 def _check_probe(probe: dict, path: str) -> None:
     if not probe.get("sizes"):
-        raise SystemExit(f"{path}: no \"sizes\" in this probe; run python -m deepspeed_acco.bench.commprobe with "
+        raise SystemExit(f"{path}: no \"sizes\" in this probe; run python -m deepspeed_acco.bench.reporting.commprobe with "
                          "--sizes N1,N2,... on the emulated link first")
 
 

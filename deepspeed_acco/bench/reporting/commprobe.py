@@ -1,6 +1,6 @@
 """Time the collectives of one update round, with the job's backend, over the (shaped) link.
 
-``torchrun --nproc_per_node W -m deepspeed_acco.bench.commprobe --numel P --out FILE`` on every
+``torchrun --nproc_per_node W -m deepspeed_acco.bench.reporting.commprobe --numel P --out FILE`` on every
 rank: times ``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of ``P`` fp32
 values (the model), and a reduce-scatter followed by an all-gather: the communication round of a
 ZeRO-1-style optimizer, once with torch's collectives and once as our engine's communicator runs
