@@ -187,7 +187,7 @@ class Evaluator:
         self.batch_size = max(1, 2 * args.micro_batch)
 
     def __call__(self, vector, windows: Optional[int] = None) -> float:
-        from deepspeed_acco.bench.train import evaluate
+        from deepspeed_acco.bench.running.train import evaluate
         copy_into(vector, self.params)
         data = self.windows if windows is None else self.windows[:: max(1, len(self.windows) // windows)][:windows]
         return evaluate(self.model, data, self.batch_size)

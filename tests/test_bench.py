@@ -14,7 +14,7 @@ import pytest
 from deepspeed_acco.bench.reporting import report
 from deepspeed_acco.bench.network import netns
 from deepspeed_acco.bench.workload.methods import METHODS, ds_config, parse_variant, resolve_methods, warmup_decay_lr
-from deepspeed_acco.bench.train import is_eval_update, parse_slow_rank
+from deepspeed_acco.bench.running.train import is_eval_update, parse_slow_rank
 from link_checks import assert_full_duplex
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,8 +167,8 @@ def test_defaults_derive_eval_interval_and_max_updates():
 
 def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
     from deepspeed_acco.bench.__main__ import build_parser, check_args, worker_args
-    from deepspeed_acco.bench.train import co2_options
-    from deepspeed_acco.bench.train import parse_args as worker_parse
+    from deepspeed_acco.bench.running.train import co2_options
+    from deepspeed_acco.bench.running.train import parse_args as worker_parse
     from deepspeed_acco.runtime.config import parse_config
     args = build_parser().parse_args(["--outer-lr", "0.7", "--outer-momentum", "0.2", "--gap-penalty", "2",
                                       "--ranks-per-node", "2", "--eval-every", "3", "--precision", "bf16"])
@@ -232,7 +232,7 @@ def test_beta1_reaches_every_method_and_the_lone_replica(capsys):
     # --beta1 sets AdamW's beta1 of DeepSpeed's config and of the compute-only baseline alike;
     # the default keeps the bench's 0.9, and a value outside [0, 1) is refused naming the flag.
     from deepspeed_acco.bench.__main__ import build_parser, worker_args
-    from deepspeed_acco.bench.train import parse_args as train_args
+    from deepspeed_acco.bench.running.train import parse_args as train_args
     assert build_parser().parse_args([]).beta1 == 0.9
     args = build_parser().parse_args(["--beta1", "0.5"])
     cmd = worker_args(args, "dpu", "/tmp/x")
@@ -240,7 +240,7 @@ def test_beta1_reaches_every_method_and_the_lone_replica(capsys):
     worker = ["--method", "dpu", "--run-dir", "/tmp/x"]
     assert train_args(worker + ["--beta1", "0.5"]).beta1 == 0.5 and train_args(worker).beta1 == 0.9
     import torch
-    from deepspeed_acco.bench.train import _ComputeOnly
+    from deepspeed_acco.bench.running.train import _ComputeOnly
     lone = _ComputeOnly(torch.nn.Linear(2, 2), train_args(worker + ["--beta1", "0.5", "--precision", "fp32"]), 1)
     assert lone.opt.param_groups[0]["betas"] == (0.5, 0.95)
     for method in ("zero1", "dpu", "acco", "co2"):
@@ -796,7 +796,7 @@ def test_checkpoint_and_resume_continue_the_run_exactly(tmp_path):
     env = dict(_env(), OMP_NUM_THREADS="1")
 
     def train(name, *extra):
-        subprocess.run([sys.executable, "-m", "deepspeed_acco.bench.train", "--run-dir", str(tmp_path / name),
+        subprocess.run([sys.executable, "-m", "deepspeed_acco.bench.running.train", "--run-dir", str(tmp_path / name),
                         *common, *extra], check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, timeout=300)
         rows = [json.loads(line) for line in open(tmp_path / name / "rank0.jsonl")]
         return rows, json.load(open(tmp_path / name / "rank0.summary.json"))
@@ -811,7 +811,7 @@ def test_checkpoint_and_resume_continue_the_run_exactly(tmp_path):
         [(r["loss"], r["samples"], r["lr"]) for r in rows[2:]]
     assert resumed["val"] == {k: v for k, v in summary["val"].items() if k in ("2", "4")}
     with pytest.raises(subprocess.CalledProcessError):  # nothing to resume from: an error, not a fresh run
-        subprocess.run([sys.executable, "-m", "deepspeed_acco.bench.train", "--run-dir", str(tmp_path / "none"),
+        subprocess.run([sys.executable, "-m", "deepspeed_acco.bench.running.train", "--run-dir", str(tmp_path / "none"),
                         *common, "--resume", str(tmp_path / "empty")], check=True, env=env, cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     assert "--resume" in open(tmp_path / "none" / "failure_rank0.txt").read()

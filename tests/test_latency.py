@@ -1,5 +1,5 @@
-"""The latency model (deepspeed_acco.bench.network.latency) and its command line (deepspeed_acco.bench.network.latency.report): fit, message counts,
-prediction. No processes, no network."""
+"""The latency model (deepspeed_acco.bench.network.latency) and its command line
+(deepspeed_acco.bench.network.latency.report): fit, message counts, prediction. No processes, no network."""
 import json
 import math
 

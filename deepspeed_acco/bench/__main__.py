@@ -24,13 +24,14 @@ import time
 from typing import Dict, List, Optional
 
 from .network import netns
-from .faults import check_fault_args, run_fault_bench
+from .running.faults import check_fault_args, run_fault_bench
 from .network.jobs import Placement, probe_comm, run_job
-from .workload.methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
+from .workload.methods import (BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant,
+                               resolve_methods)
 from .workload.models import DEFAULT_PRESET, PRESETS
-from .runs import Network, worker_args
+from .running.runs import Network, worker_args
 from .reporting.summary import finish, replot
-from .train import _sync_updates
+from .running.train import _sync_updates
 
 DEFAULT_UPDATES = 50
 # --bandwidth auto: ZeRO-1 communicates a third of its update, so T_comm = T_compute / 2, where ACCO
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _busy_cores(seconds: float = 1.0) -> Optional[float]:
     """Cores the machine is busy with right now (averaged over ``seconds``, from /proc/stat)."""
-    from .train import _system_cpu
+    from .running.train import _system_cpu
     a = _system_cpu()
     time.sleep(seconds)
     b = _system_cpu()
@@ -309,7 +310,7 @@ def check_args(args, methods: List[str]) -> None:
         raise SystemExit(f"--grad-accum: ACCO splits each update's micro-batches in two halves, so it must be even "
                          f"(got {args.grad_accum}) unless ACCO runs with dynamic accumulation (--slow-rank)")
     if args.slow_rank:
-        from .train import parse_slow_rank
+        from .running.train import parse_slow_rank
         try:
             r, _ = parse_slow_rank(args.slow_rank)
         except ValueError as exc:
@@ -351,7 +352,7 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
     from deepspeed_acco.runtime.config import parse_config
 
     from .workload.methods import BETA2, ds_config
-    from .train import co2_options
+    from .running.train import co2_options
     world = args.nodes * args.ranks_per_node
     out = {}
     for m in methods:

@@ -19,7 +19,8 @@ def add_common_arguments(parser) -> None:
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="sequences per micro-batch (default: 16 on CUDA, 2 on the CPU)")
     parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
-                        help="auto: bf16 where the device computes it natively (deepspeed_acco.bench.workload.precision)")
+                        help="auto: bf16 where the device computes it natively "
+                             "(deepspeed_acco.bench.workload.precision)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here (rewritten as they come)")
 
 

@@ -94,7 +94,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval-points", type=int, default=20)
     parser.add_argument("--val-windows", type=int, default=64, help="held-out windows of --ctx tokens")
     parser.add_argument("--seed", type=int, default=0, help="data order (the initial weights are the bench's seed 0)")
-    parser.add_argument("--data", default=None, help="corpus (deepspeed_acco.bench.workload.data.load_corpus; default: stdlib)")
+    parser.add_argument("--data", default=None,
+                        help="corpus (deepspeed_acco.bench.workload.data.load_corpus; default: stdlib)")
     parser.add_argument("--cache-dir", default="default", help="token cache folder ('' for none)")
     args = parser.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

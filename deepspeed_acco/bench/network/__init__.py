@@ -1,1 +1,1 @@
-"""The emulated network: nodes in namespaces joined by shaped links (netns), a job's ranks started across them (jobs), a latency model of their collectives (latency), and one process's emulated link for the GPU study (linkemu)."""
+"""The emulated network: nodes and shaped links, jobs started across them, a latency model, a one-process link."""

@@ -1,1 +1,1 @@
-"""Measuring and reporting: where each update's time goes (breakdown), held memory (memory), the collectives' probe (commprobe), a run's logs read into tables and plots (report), and a finished bench's report (summary)."""
+"""Measuring and reporting: where time and memory go, the collectives' probe, the tables, plots and report."""

@@ -1,1 +1,1 @@
-"""What every run trains: the GPT-Neo presets (models), the text and its order (data), each method's DeepSpeed config (methods), and the precision (precision)."""
+"""What every run trains: the GPT-Neo presets, the text and its order, each method's config, the precision."""

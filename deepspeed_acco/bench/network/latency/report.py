@@ -1,6 +1,7 @@
-"""The latency model's command line (``python -m deepspeed_acco.bench.network.latency``): run the sized probe on
-two emulated nodes (:func:`measure`), and turn a probe and a bench report into the markdown of fits,
-checks and predicted ms/update (:func:`report_markdown`). The model itself: :mod:`deepspeed_acco.bench.network.latency`."""
+"""The latency model's command line (``python -m deepspeed_acco.bench.network.latency``): run the sized probe
+on two emulated nodes (:func:`measure`), and turn a probe and a bench report into the markdown of fits,
+checks and predicted ms/update (:func:`report_markdown`). The model itself:
+:mod:`deepspeed_acco.bench.network.latency`."""
 import argparse
 import json
 import math
@@ -16,8 +17,8 @@ from . import (BUCKET_MARGIN, comm_seconds, fit_probe, gloo_all_reduce_window_ok
 
 def _check_probe(probe: dict, path: str) -> None:
     if not probe.get("sizes"):
-        raise SystemExit(f"{path}: no \"sizes\" in this probe; run python -m deepspeed_acco.bench.reporting.commprobe with "
-                         "--sizes N1,N2,... on the emulated link first")
+        raise SystemExit(f"{path}: no \"sizes\" in this probe; run python -m "
+                         "deepspeed_acco.bench.reporting.commprobe with --sizes N1,N2,... on the emulated link first")
 
 
 def _select_link(results: dict, probe_bps: Optional[float], wanted: Optional[str]) -> Tuple[str, dict]:
