@@ -1,4 +1,4 @@
-"""benchmarks/acco_study.py and benchmarks/seed_table.py on the tiny preset / on small CSVs."""
+"""benchmarks/studies/acco_study.py and benchmarks/studies/seed_table.py on the tiny preset / on small CSVs."""
 import csv
 import importlib.util
 import os
@@ -10,7 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", "studies", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

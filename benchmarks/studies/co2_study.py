@@ -35,8 +35,8 @@ the replicas' spread, and the mean train loss; at ``--eval-points`` updates the 
 of the committed parameters (CO2: the newest anchor, as ``engine.committed_parameters()`` gives
 it), of the replicas' average ybar and of replica 0. Writes one JSON file (``--out``).
 
-    python benchmarks/co2_study.py --method outer --delay 1 --updates 240 --out co2.json
-    python benchmarks/co2_study.py --method zero1 --updates 240 --out zero1.json
+    python benchmarks/studies/co2_study.py --method outer --delay 1 --updates 240 --out co2.json
+    python benchmarks/studies/co2_study.py --method zero1 --updates 240 --out zero1.json
 """
 import argparse
 import json
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 # torch.nn.utils.clip_grad_norm_ and the engine add this to the norm before dividing.
 CLIP_EPSILON = 1e-6
