@@ -503,7 +503,7 @@ def parse_command(argv=None):
     methods = resolve_methods(args.methods)
     if not methods and args.no_compute_only:
         raise SystemExit("nothing to run: --methods is empty and --no-compute-only is set")
-    if args.fault:  # equal samples only, its own report (bench/faults.py)
+    if args.fault:  # equal samples only, its own report (bench/running/faults.py)
         args.target_loss = None
     check_args(args, methods)
     if args.fault:

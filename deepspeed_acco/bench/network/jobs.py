@@ -296,7 +296,7 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
                        **({} if fault is None else dict(fault=fault.record(), fault_overdue=overdue))), f, indent=1)
     ok = len(procs) == len(commands) and all(c == 0 for c in codes) \
         and os.path.exists(os.path.join(run_dir, "rank0.summary.json"))
-    if not ok and fault is not None and fault.fault_at is not None:  # expected: bench/faults.py reports it
+    if not ok and fault is not None and fault.fault_at is not None:  # expected: bench/running/faults.py reports it
         print(f"{desc:<28} ended after the fault (exit codes {codes}; logs in {run_dir})", flush=True)
     elif not ok:
         reason = first_error(run_dir)

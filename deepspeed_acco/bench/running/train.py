@@ -340,7 +340,7 @@ def run(args) -> dict:
                         warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args),
                         sync_after_updates=args.sync_after_updates,
                         lr_schedule=args.lr_schedule)
-        if args.communication_timeout_s is not None:  # fault runs (bench/faults.py) use a short one
+        if args.communication_timeout_s is not None:  # fault runs (bench/running/faults.py) use a short one
             cfg["optimizer"]["params"]["communication_timeout_s"] = args.communication_timeout_s
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
@@ -548,7 +548,7 @@ def _write_trace(args, clock) -> None:
 
 
 def _write_failure(run_dir: str, exc: BaseException) -> None:
-    """Record when and why this rank failed during training (bench/faults.py reads it): the wall
+    """Record when and why this rank failed during training (bench/running/faults.py reads it): the wall
     time, then the error's first line and its traceback."""
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(run_dir, f"failure_rank{rank}.txt"), "w") as f:
