@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from ... import ops
-from ..checks import config_error
+from ..checks import config_error, count_at_most
 from ..comm import Communicator, CompletedWork, DeviceReadback, PhaseClock
 from ..compression import (GroupCompression, compresses, compressing, group_compressions, load_group_compressions,
                            wire_bytes)
@@ -109,6 +109,7 @@ class CO2Params(WarmupParams, AdamWParams):
         super().validate(prefix)
         if self.local_steps < 1:
             raise config_error(f"{prefix}.local_steps", f"must be >= 1, got {self.local_steps}", "use e.g. 4")
+        count_at_most(f"{prefix}.local_steps", self.local_steps)
         if self.outer_lr <= 0:
             raise config_error(f"{prefix}.outer_lr", f"must be > 0, got {self.outer_lr}", "use e.g. 1.0")
         if not 0.0 <= self.outer_momentum < 1.0:
@@ -122,6 +123,7 @@ class CO2Params(WarmupParams, AdamWParams):
                                "use a positive threshold or null to disable")
         if self.group_size < 1:
             raise config_error(f"{prefix}.group_size", f"must be >= 1, got {self.group_size}", "use 1 (no groups)")
+        count_at_most(f"{prefix}.group_size", self.group_size)
         if self.anchor_merge_steps is not None:
             if not 0 <= self.anchor_merge_steps <= self.local_steps:
                 default_note = "" if "local_steps" in self.given else " (local_steps' default)"
