@@ -12,11 +12,13 @@ docs/usage.md, Checkpoints).
   outside the directory) raises on every rank and leaves the engine bitwise as it was, its job in
   flight included; the next updates are bitwise those of an engine that never tried. On two ranks
   one rank's bad file is refused by both. DeepSpeed-written ZeRO-1 checkpoints (fp32, bf16, fp16)
-  still load.
+  still load. A failed save (disk full, a failure while publishing) raises on every rank at once and
+  leaves no staging directory or temporary file, with ``latest`` and the previous checkpoint intact.
 """
 import builtins
 import collections
 import dataclasses
+import errno
 import os
 import re
 import shutil
@@ -451,3 +453,77 @@ def test_refused_loads_change_nothing_on_one_rank(tmp_path):
 def test_refused_loads_change_nothing_on_two_ranks_and_every_rank_refuses(tmp_path):
     results = run_distributed(_refusal_worker, 2, str(tmp_path), REFUSALS, (), timeout_s=400)
     _check_refusals(results, REFUSALS, 2)
+
+
+# ---- a failed save cleans up and tells every rank ------------------------------------------------------
+def _leftovers(root):
+    return sorted(os.path.relpath(os.path.join(folder, name), root) for folder, folders, files in os.walk(root)
+                  for name in folders + files if ".staging" in name or ".tmp-" in name)
+
+
+def _failed_save_worker(rank, world_size, root):
+    import torch.distributed as dist
+    from deepspeed_acco.runtime import checkpoint
+    config = make_config("ACCO", communication_timeout_s=60)
+    engine, model = new_engine(config)
+    feed(engine, model, rank, 0, SAVE_AT)
+    engine.save_checkpoint(root, tag="good")
+    results = {}
+    original_save, original_replace, original_makedirs = torch.save, checkpoint._replace_directory, os.makedirs
+
+    def disk_full(obj, handle, *args, **kwargs):
+        handle.write(b"half a file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    failures = [("disk full while writing", "full", world_size - 1, lambda: setattr(torch, "save", disk_full)),
+                ("failure while publishing", "publish", 0,
+                 lambda: setattr(checkpoint, "_replace_directory", read_only)),
+                ("failure while preparing", "prepare", 0, lambda: setattr(os, "makedirs", read_only))]
+    for name, tag, failing_rank, install in failures:
+        if rank == failing_rank:
+            install()
+        start = time.monotonic()
+        try:
+            engine.save_checkpoint(root, tag=tag)
+            error = None
+        except (OSError, RuntimeError) as caught:
+            error = f"{type(caught).__name__}: {caught} {getattr(caught, '__notes__', '')}"
+        seconds = time.monotonic() - start
+        torch.save, checkpoint._replace_directory, os.makedirs = original_save, original_replace, original_makedirs
+        dist.barrier()
+        results[name] = dict(error=error, seconds=seconds, leftovers=_leftovers(root),
+                             latest=open(os.path.join(root, "latest")).read(), published=os.path.exists(
+                                 os.path.join(root, tag)))
+    probe.drain(engine)
+    before = probe.engine_state(engine)
+    engine.save_checkpoint(root, tag="after")  # the engine still saves, and the save changed nothing
+    results["changed"] = probe.state_differences(before, probe.engine_state(engine))
+    results["after"] = sorted(os.listdir(os.path.join(root, "after")))
+    engine.destroy()
+    return results
+
+
+@pytest.mark.slow
+def test_a_failed_save_removes_its_files_and_every_rank_learns_at_once(tmp_path):
+    world_size = 2
+    results = run_distributed(_failed_save_worker, world_size, str(tmp_path), timeout_s=300)
+    for rank, rank_results in enumerate(results):
+        for name, failing_rank in (("disk full while writing", world_size - 1), ("failure while publishing", 0),
+                                   ("failure while preparing", 0)):
+            outcome = rank_results[name]
+            assert outcome["error"] is not None, (rank, name)
+            if rank == failing_rank:
+                assert outcome["error"].startswith("OSError"), outcome["error"]
+            else:
+                assert f"rank {failing_rank}: OSError" in outcome["error"], outcome["error"]
+            assert "staging files are removed" in outcome["error"], outcome["error"]
+            # A barrier would have waited for the 60 s timeout (plus its grace).
+            assert outcome["seconds"] < 20, (rank, name, outcome["seconds"])
+            assert outcome["leftovers"] == [], (rank, name, outcome["leftovers"])
+            assert outcome["latest"] == "good" and not outcome["published"], (rank, name)
+        assert rank_results["changed"] == []
+        assert rank_results["after"] == sorted([MODEL_FILE] + [optimizer_file(r) for r in range(world_size)])
+    assert sorted(os.listdir(tmp_path / "good")) == results[0]["after"]

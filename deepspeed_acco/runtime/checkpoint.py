@@ -32,7 +32,9 @@ it was.
 
 Saving is atomic: files go to a staging directory that replaces the tag's directory in one
 ``renameat2(RENAME_EXCHANGE)`` (where the filesystem lacks it: retire, rename, and a loader that
-recovers a retired directory), and ``latest`` is replaced last.
+recovers a retired directory), and ``latest`` is replaced last. The ranks agree after each step of
+the file-system work, so one rank's failure reaches every rank at once and the save removes what it
+wrote.
 """
 import collections
 import contextlib
@@ -46,7 +48,7 @@ import pickle
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,21 +70,26 @@ def optimizer_states_name(rank: int, bf16: bool) -> str:
 
 # ---- files and directories ---------------------------------------------------------------------
 def _atomic_save(obj: Any, path: str) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    _atomic_write(path, "wb", lambda handle: torch.save(obj, handle))
 
 
 def _atomic_write_text(path: str, text: str) -> None:
+    _atomic_write(path, "w", lambda handle: handle.write(text))
+
+
+def _atomic_write(path: str, mode: str, write: Callable[[Any], Any]) -> None:
+    """Write ``path.tmp-PID``, fsync it and rename it to ``path``; on failure the temporary file is removed."""
     temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, mode) as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
 
 
 def _fsync_directory(path: str) -> None:
@@ -272,36 +279,69 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: Dic
     mid_round = engine.control.max(int(state.meta["round_micro_batches"] > 0)) > 0
     progress, loss_scale, scheduler_state, lrs = schedule.committed_view()
     numels = [flat.numel for flat in engine.optimizer.flats]
-    rank, world_size = engine.global_rank, engine.world_size
+    rank = engine.global_rank
 
     names = _names_in_order(state)
     flat_list = [t for name in names for t in _tensors_of(state, name)]
     converted = _to_layout(engine, flat_list, numels * len(names), to_deepspeed=True)
     by_name = {name: converted[i * len(numels):(i + 1) * len(numels)] for i, name in enumerate(names)}
+    committed_module = _committed_module_state(engine)
 
+    # The file system work, in three steps that every rank agrees on before the next starts: a rank
+    # that fails tells every other at once (instead of leaving them at a barrier until the timeout),
+    # and a failed save removes what it wrote, leaving the previous checkpoint and latest as they were.
     final_directory = os.path.join(save_dir, tag)
     staging = os.path.join(save_dir, f".{tag}.staging")
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    engine.control.barrier()
-    bf16 = engine.engine_config.precision == "bf16"
-    optimizer_file = _optimizer_states(engine, state, by_name, progress, loss_scale, lrs)
-    _atomic_save(optimizer_file, os.path.join(staging, optimizer_states_name(rank, bf16)))
-    committed_module = _committed_module_state(engine)
-    if rank == 0:
-        model_file = _model_states(engine, committed_module, client_state, progress, scheduler_state, mid_round)
-        _atomic_save(model_file, os.path.join(staging, MODEL_STATES_NAME))
-    engine.control.barrier()
-    if rank == 0:
-        _fsync_directory(staging)
-        _replace_directory(staging, final_directory, _retired_name(save_dir, tag))
-        if save_latest:
-            _atomic_write_text(os.path.join(save_dir, LATEST_NAME), tag)
-        _fsync_directory(save_dir)
-    engine.control.barrier()
+
+    def prepare():
+        if rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+
+    def write():
+        bf16 = engine.engine_config.precision == "bf16"
+        optimizer_file = _optimizer_states(engine, state, by_name, progress, loss_scale, lrs)
+        _atomic_save(optimizer_file, os.path.join(staging, optimizer_states_name(rank, bf16)))
+        if rank == 0:
+            model_file = _model_states(engine, committed_module, client_state, progress, scheduler_state, mid_round)
+            _atomic_save(model_file, os.path.join(staging, MODEL_STATES_NAME))
+
+    def publish():
+        if rank == 0:
+            _fsync_directory(staging)
+            _replace_directory(staging, final_directory, _retired_name(save_dir, tag))
+            if save_latest:
+                _atomic_write_text(os.path.join(save_dir, LATEST_NAME), tag)
+            _fsync_directory(save_dir)
+
+    for step, action in (("preparing the staging directory", prepare), ("writing the files", write),
+                         ("publishing the checkpoint", publish)):
+        _save_step(engine, step, action, staging)
     return True
+
+
+def _save_step(engine, step: str, action: Callable[[], None], staging: str) -> None:
+    """Run one step of a save on every rank, then agree (one small collective on the control plane);
+    if any rank failed, rank 0 removes the staging directory and every rank raises."""
+    problem = None
+    try:
+        action()
+    except Exception as error:
+        problem = error
+    verdicts = engine.control.texts("" if problem is None else f"{type(problem).__name__}: {problem}")
+    failures = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict]
+    if not failures:
+        return
+    if engine.global_rank == 0:  # every rank has stopped writing into it
+        shutil.rmtree(staging, ignore_errors=True)
+    outcome = (f"save_checkpoint failed while {step}; its staging files are removed, and latest still names a "
+               f"complete checkpoint (the previous one unless the failure came after the new one was in place)")
+    if problem is not None:
+        problem.add_note(outcome)
+        raise problem
+    reasons = "; ".join(f"rank {rank}: {verdict}" for rank, verdict in failures)
+    raise RuntimeError(f"{outcome}: {reasons}")
 
 
 # Names of the re-shardable vectors in a CheckpointState: masters, each rule-state tensor, then
