@@ -168,7 +168,6 @@ def test_features_deepspeed_removed_are_rejected(key, value):
 CHANGES_BEHAVIOUR = [
     ("gradient_allreduce_op", {"gradient_allreduce_op": "sum"}),  # DeepSpeed sums instead of averaging
     ("torch_autocast", {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}),
-    ("fp16.auto_cast", {"fp16": {"enabled": True, "auto_cast": True}}),
     ("fp16.consecutive_hysteresis", {"fp16": {"enabled": True, "consecutive_hysteresis": True}}),
     ("fp16.fp16_master_weights_and_grads", {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}),
     ("bf16.bf16_master_weights_and_grads", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}),

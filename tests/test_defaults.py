@@ -89,6 +89,40 @@ def test_auto_warmup_with_only_the_lr_warmup_known_or_nothing():
     assert step_lr.updates == 0 and "StepLR" in step_lr.reason
 
 
+@pytest.mark.parametrize("section, updates, reason", [
+    # a horizon: a sixth of it (docs/results.md, "At what loss")
+    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 720, "warmup_num_steps": 10}}, 120,
+     "a sixth of the scheduler's 720 updates (WarmupDecayLR total_num_steps)"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 3000, "warmup_num_steps": 375}}, 500,
+     "a sixth of the scheduler's 3000 updates (WarmupCosineLR total_num_steps)"),
+    # OneCycle's horizon is its cycle (the 1cycle policy spans the run with it)
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 1000}}, 333,
+     "a sixth of the scheduler's 2000 updates (OneCycle cycle_first_step_size + cycle_second_step_size)"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 300,
+                                     "cycle_second_step_size": 900, "decay_step_size": 100, "decay_lr_rate": 0.1}},
+     200, "a sixth of the scheduler's 1200 updates"),
+    # only a warm-up: 4 W, a sixth of a run whose warm-up is a 24th of it; the line says so
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 1000}}, 4000,
+     "4 x the scheduler's 1000-update LR warm-up (WarmupLR warmup_num_steps); the run's length is not known to the "
+     "engine: this is a sixth of a run of 24000 updates; for a run of another length set warmup_sync_updates to a "
+     "sixth of its updates"),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 3}}, 12, "a sixth of a run of 72 updates"),
+    # DeepSpeed's floor of 2 warm-up updates (transformers writes 1 for none) is no warm-up
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 1}}, 0, "DeepSpeed's floor (no warm-up)"),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 2}}, 0, "DeepSpeed's floor (no warm-up)"),
+    # nothing to go by
+    ({"type": "LRRangeTest", "params": {"lr_range_test_step_size": 100}}, 0,
+     "LRRangeTest, a learning-rate search without a run length"),
+    ({"type": "StepLR", "params": {"step_size": 100}}, 0, "StepLR, whose length the engine does not read"),
+])
+def test_auto_warmup_per_scheduler_section(section, updates, reason):
+    """docs/usage.md states the rule per scheduler; the engine builds the scheduler from the section."""
+    from deepspeed_acco.runtime.builder import make_lr_scheduler
+    parse_config(config(scheduler=section), WORLD_SIZE)  # a valid section
+    resolved = resolve_auto_warmup(make_lr_scheduler(_optimizer(), None, section))
+    assert resolved.updates == updates and reason in resolved.reason, resolved.reason
+
+
 @pytest.mark.parametrize("factory, total, warmup", [
     ("get_linear_schedule_with_warmup", 720, 10),
     ("get_cosine_schedule_with_warmup", 720, 10),

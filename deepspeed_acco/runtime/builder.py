@@ -17,6 +17,7 @@ from .config import EngineConfig
 from .loss_scale import LossScale
 from .optimizers import lookup
 from .optimizers.params import AUTO
+from .scheduler_config import DEEPSPEED_SCHEDULERS, scheduler_class
 from .warmup import describe_warmup, resolve_auto_warmup
 from .schedule import BuildContext, Schedule
 
@@ -149,17 +150,13 @@ def make_lr_scheduler(optimizer, client_scheduler, section: Optional[Dict]):
         return client_scheduler
     if not section:
         return None
-    from deepspeed.runtime import lr_schedules
+    # The section was checked by the parser (runtime/scheduler_config.py), before any collective.
     name = section.get("type")
     params = section.get("params", {}) or {}
-    if hasattr(lr_schedules, str(name)):
-        cls = getattr(lr_schedules, name)
-    elif hasattr(torch.optim.lr_scheduler, str(name)):
-        cls = getattr(torch.optim.lr_scheduler, name)
-    else:
+    cls = scheduler_class(name)
+    if cls is None:
         raise ValueError(f"deepspeed_acco config: scheduler.type: unknown scheduler {name!r}; use one of "
-                         f"DeepSpeed's (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) or "
-                         f"a torch.optim.lr_scheduler class name")
+                         f"DeepSpeed's ({', '.join(DEEPSPEED_SCHEDULERS)}) or a torch.optim.lr_scheduler class name")
     return cls(optimizer, **params)
 
 

@@ -4,23 +4,28 @@ The optimizer section selects a registered type (:mod:`deepspeed_acco.runtime.op
 params dataclass parses ``optimizer.params``. The other keys keep DeepSpeed's meaning. A key that
 would change what a DeepSpeed user expects is either implemented here or rejected with a
 ``ValueError`` naming it and the fix; keys that only tune DeepSpeed's own machinery are accepted;
-an unknown key gets a warning naming the closest known one. Everything is checked before any
-collective runs.
+an unknown key gets a warning naming the closest known one; keys DeepSpeed reads that do nothing for
+our types are named in one start-up line (:func:`no_effect_note`). Everything is checked before any
+collective runs, the ``scheduler`` section included, and every problem of a config is reported in
+one ``ValueError``, one line each (docs/design.md, 10; :mod:`.checks`).
 """
 import copy
+import dataclasses
 import difflib
 import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .checks import boolean, config_error, integer, number
+from .checks import (AUTO_WORD, attempt, boolean, collecting, config_error, integer, number, problems_so_far, report,
+                     unfilled_auto_error)
 from .compression import CompressionConfig, QuantizationFormat
 from .optimizers import lookup, type_names
 from .optimizers.params import parse_params
+from .scheduler_config import check_scheduler_section
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
@@ -61,6 +66,12 @@ class BatchConfig:
     train_batch_size: int
     micro_batch_size: int
     gradient_accumulation_steps: int
+    accumulation_source: str = "config"
+    """Where gradient_accumulation_steps came from: "config" (the key), "derived" (from train_batch_size and the
+    micro-batch) or "default" (absent: DeepSpeed's default, 1); for the messages of the config checks."""
+    caller_sets_boundaries: bool = False
+    """Whether the HF Trainer or Accelerate drive the engine and decide where each update ends
+    (``set_gradient_accumulation_boundary``), known from the ``DummyOptim`` they pass."""
 
 
 def resolve_batch_sizes(config: Dict[str, Any], data_parallel_size: int) -> BatchConfig:
@@ -143,7 +154,12 @@ class EngineConfig:
     """None: never print (Accelerate sets it to infinity)."""
     wall_clock_breakdown: bool = False
     fp16_loss_scale: Dict[str, Any] = field(default_factory=dict)
+    auto_cast: bool = False
+    """``fp16.auto_cast`` under fp16: the engine's forward casts floating-point inputs to fp16, as DeepSpeed's."""
     dataloader_drop_last: bool = False
+    no_effect: List[str] = field(default_factory=list)
+    """Keys of the config that DeepSpeed reads and that do nothing for our types, each with why
+    (:func:`no_effect_note`)."""
     raw: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -182,6 +198,20 @@ def _section_enabled(value: Any) -> bool:
     return bool(value) if not isinstance(value, dict) else bool(value.get("enabled", False))
 
 
+def _reject_enabled(fix: str):
+    """A rule for a DeepSpeed feature section ({"enabled": ...}) our engine does not implement: the error
+    names ``KEY.enabled`` and says to turn it off (the rest of the section may stay)."""
+    def check(key: str, value: Any) -> None:
+        if not _section_enabled(value):
+            return
+        if isinstance(value, dict):
+            raise config_error(f"{key}.enabled", "not supported with deepspeed_acco's optimizer types",
+                               f"set enabled to false (or remove the section); {fix}")
+        raise config_error(key, f"{value!r} is not supported with deepspeed_acco's optimizer types",
+                           f"set it to false (or remove it); {fix}")
+    return check
+
+
 def _truthy(value: Any) -> bool:
     return bool(value)
 
@@ -207,11 +237,11 @@ TOP_LEVEL_KEYS: Dict[str, Callable[[str, Any], None]] = {
         "seq_parallel_communication_data_type")},
     "checkpoint": lambda key, value: _check_checkpoint_section(key, value),
     # DeepSpeed features that change training and that our engine does not implement
-    "torch_autocast": _reject_when(_section_enabled, "use \"bf16\" or \"fp16\" instead of torch_autocast"),
-    "data_efficiency": _reject_when(_section_enabled, _OFF),
-    "hybrid_engine": _reject_when(_section_enabled, _OFF),
+    "torch_autocast": _reject_enabled("use \"bf16\" or \"fp16\" instead of torch_autocast"),
+    "data_efficiency": _reject_enabled("our optimizer types do not implement DeepSpeed's data efficiency library"),
+    "hybrid_engine": _reject_enabled("our optimizer types do not implement DeepSpeed's hybrid engine"),
     "weight_quantization": _reject_when(_truthy, _OFF),
-    "compile": _reject_when(_section_enabled, "call torch.compile on your model before initialize instead"),
+    "compile": _reject_enabled("call torch.compile on your model before initialize instead"),
     "pipeline": _reject_when(_truthy, "pipeline parallelism is not supported; remove the section"),
     "tensor_parallel": _reject_when(lambda v: isinstance(v, dict) and any(
         v.get(k, 1) not in (0, 1) for k in ("autotp_size", "tp_size")), "tensor parallelism is not supported; "
@@ -224,11 +254,11 @@ TOP_LEVEL_KEYS: Dict[str, Callable[[str, Any], None]] = {
                                               "reduce-scatter)"),
     "disable_allgather": _reject_when(_truthy, "set it to false"),
     "sequence_parallel_size": _reject_when(lambda v: v != 1, "set it to 1: sequence parallelism is not supported"),
-    "expert_parallel": _reject_when(_section_enabled, "MoE expert parallelism is not supported; remove it"),
-    "flops_profiler": _reject_when(_section_enabled, "profile with torch.profiler instead: our communication "
-                                   "phases are labelled acco::reduce_scatter, acco::all_gather, ..."),
-    "comms_logger": _reject_when(_section_enabled, "profile with torch.profiler instead: every collective of "
-                                 "ours is labelled acco::<collective>"),
+    "expert_parallel": _reject_enabled("MoE expert parallelism is not supported"),
+    "flops_profiler": _reject_enabled("profile with torch.profiler instead: our communication phases are "
+                                      "labelled acco::reduce_scatter, acco::all_gather, ..."),
+    "comms_logger": _reject_enabled("profile with torch.profiler instead: every collective of ours is labelled "
+                                    "acco::<collective>"),
     "memory_breakdown": _reject_when(_truthy, "set it to false (not reported by our engine)"),
     "dump_state": _reject_when(_truthy, "set it to false (not reported by our engine)"),
 }
@@ -283,6 +313,87 @@ def _check_checkpoint_section(key: str, value: Any) -> None:
                            "remove it; our checkpoints re-shard across world sizes by themselves")
 
 
+# ---- keys DeepSpeed reads that do nothing for our types (named in one start-up line) ----------------
+_BUCKETS = ("each job moves whole shards, in one reduce-scatter and one all-gather from contiguous flat buffers, "
+            "so there are no buckets to size")
+_NOT_STAGE_1 = "ZeRO-2/3 and offload settings: our types shard like stage 1 and do not offload"
+NO_EFFECT_ZERO_KEYS: Dict[str, str] = {
+    **{key: _BUCKETS for key in ("reduce_bucket_size", "allgather_bucket_size", "reduce_scatter",
+                                 "allgather_partitions", "contiguous_gradients", "use_multi_rank_bucket_allreduce")},
+    **{key: _NOT_STAGE_1 for key in (
+        "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_model_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+        "stage3_use_all_reduce_for_fetch_params", "stage3_module_granularity_threshold",
+        "gather_16bit_weights_on_model_save", "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+        "max_reuse_distance", "memory_efficient_linear", "override_module_apply", "log_trace_cache_warnings",
+        "pipeline_loading_checkpoint", "cpu_offload_use_pin_memory", "ratio", "save_muon_momentum_buffer_in_memory")},
+    "load_from_fp32_weights": "our checkpoints always restore the fp32 masters",
+    "elastic_checkpoint": "our checkpoints re-shard across world sizes by themselves",
+    "ignore_unused_parameters": "a parameter without a gradient adds zero to the update, as with DeepSpeed's default",
+    "legacy_stage1": "it selects DeepSpeed's old stage-1 code",
+}
+"""``zero_optimization`` keys accepted at any value and without effect, with why (docs/usage.md, "Keys
+without effect"). ``overlap_comm`` is decided per type (:func:`_overlap_comm_note`)."""
+
+NO_EFFECT_TOP_LEVEL_KEYS: Dict[str, str] = {
+    "zero_allow_untested_optimizer": "it lets DeepSpeed's ZeRO wrap an optimizer DeepSpeed has not tested; "
+                                     "our types are not wrapped by it",
+    "zero_force_ds_cpu_optimizer": _NOT_STAGE_1,
+    "aio": _NOT_STAGE_1,
+    "disable_python_gc": "our engine leaves Python's garbage collector as it is",
+    "timers": "our engine times itself (wall_clock_breakdown, engine.time_breakdown())",
+    "legacy_fusion": "our types run their own fused AdamW kernels",
+}
+"""Top-level keys accepted without effect, with why; named when the config enables them."""
+
+
+def _overlap_comm_note(value: Any, kind: str) -> str:
+    """``zero_optimization.overlap_comm``: DeepSpeed's switch for overlapping its gradient reduction with the
+    backward pass. It never changes DeepSpeed's update, and it does not change ours either way
+    (docs/usage.md, "Keys without effect")."""
+    if kind == "ShardedAdamW":
+        return "zero_optimization.overlap_comm (ShardedAdamW is synchronous by definition)"
+    if value is False:
+        return (f"zero_optimization.overlap_comm false ({kind} overlaps by design, with the same updates as without "
+                f"overlap; set optimizer.params.overlap to false to run its jobs synchronously, for debugging)")
+    return f"zero_optimization.overlap_comm ({kind} overlaps by design; optimizer.params.overlap switches it)"
+
+
+def no_effect_keys(config: Dict[str, Any], kind: str, *, client_scheduler: bool = False) -> List[str]:
+    """The keys of ``config`` that DeepSpeed reads and that do nothing for optimizer type ``kind``, each with why,
+    grouped by reason: "key, key (why)"."""
+    groups: Dict[str, List[str]] = {}
+    zero = config.get("zero_optimization")
+    notes = []
+    if isinstance(zero, dict):
+        if "overlap_comm" in zero:
+            notes.append(_overlap_comm_note(zero["overlap_comm"], kind))
+        for key in zero:
+            if key in NO_EFFECT_ZERO_KEYS:
+                groups.setdefault(NO_EFFECT_ZERO_KEYS[key], []).append(f"zero_optimization.{key}")
+    for key, value in config.items():
+        if key in NO_EFFECT_TOP_LEVEL_KEYS and _section_enabled(value):
+            groups.setdefault(NO_EFFECT_TOP_LEVEL_KEYS[key], []).append(key)
+    fp16 = config.get("fp16")
+    if isinstance(fp16, dict) and fp16.get("auto_cast") is True and fp16.get("enabled") is not True:
+        notes.append("fp16.auto_cast (fp16 is off: inputs are cast only under fp16)")
+    bf16 = config.get("bf16", config.get("bfloat16"))
+    if isinstance(bf16, dict) and "check_grad_overflow" in bf16:
+        notes.append("bf16.check_grad_overflow (an update with non-finite gradients is always skipped)")
+    if client_scheduler and config.get("scheduler"):
+        notes.append("scheduler (the lr_scheduler passed to initialize replaces it, as in DeepSpeed)")
+    return notes + [f"{', '.join(keys)} ({why})" for why, keys in groups.items()]
+
+
+def no_effect_note(config: "EngineConfig") -> str:
+    """The start-up log line naming the keys accepted without effect (docs/design.md, 10); "" when none."""
+    if not config.no_effect:
+        return ""
+    return (f"{config.optimizer_type}: keys accepted without effect: " + "; ".join(config.no_effect))
+
+
 def _closest(key: str, candidates) -> str:
     matches = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
     return matches[0] if matches else ""
@@ -293,17 +404,18 @@ def check_top_level_keys(config: Dict[str, Any]) -> None:
     removed, removed_zero = _removed_keys()
     for key in removed:
         if key in config:
-            raise config_error(key, "DeepSpeed removed this feature and our optimizer types do not implement it",
-                               "remove the key from the config")
+            report(config_error(key, "DeepSpeed removed this feature and our optimizer types do not implement it",
+                                "remove the key from the config"))
     zero = config.get("zero_optimization")
     for key in removed_zero:
         if isinstance(zero, dict) and key in zero:
-            raise config_error(f"zero_optimization.{key}", "DeepSpeed removed this feature", "remove the key")
+            report(config_error(f"zero_optimization.{key}", "DeepSpeed removed this feature", "remove the key"))
     known = set(TOP_LEVEL_KEYS) | set(_OTHER_DEEPSPEED_KEYS)
     for key, value in config.items():
         check = TOP_LEVEL_KEYS.get(key)
         if check is not None:
-            check(key, value)
+            with attempt():
+                check(key, value)
         elif key not in known:
             closest = _closest(key, known)
             hint = f"; did you mean {closest!r}?" if closest else ""
@@ -317,25 +429,30 @@ def _parse_zero(zero: Any, kind: str) -> Tuple[bool, bool]:
     if not isinstance(zero, dict):
         raise config_error("zero_optimization", f"expected an object, got {zero!r}", "use {\"stage\": 1} or omit it")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1):
-        raise config_error("zero_optimization.stage", f"stage {stage!r} is not supported with optimizer type {kind}",
-                           "our optimizers shard optimizer states like ZeRO stage 1: set stage to 0 or 1 (or omit it)")
+    if stage == AUTO_WORD:
+        report(config_error("zero_optimization.stage", f"\"auto\" is not a stage optimizer type {kind} takes "
+                            "(Accelerate fills it with 2, which it refuses)", "set it to 1 (or 0): our optimizers "
+                            "shard optimizer states like ZeRO stage 1"))
+    elif stage not in (0, 1):
+        report(config_error("zero_optimization.stage", f"stage {stage!r} is not supported with optimizer type {kind}",
+                            "our optimizers shard optimizer states like ZeRO stage 1: set stage to 0 or 1 (or omit "
+                            "it)"))
     for offload_key in ("offload_optimizer", "offload_param"):
         offload = zero.get(offload_key)
         if isinstance(offload, dict) and offload.get("device", "none") not in (None, "none"):
-            raise config_error(f"zero_optimization.{offload_key}",
-                               f"offloading is not supported with optimizer type {kind}", "remove the offload section")
+            report(config_error(f"zero_optimization.{offload_key}",
+                                f"offloading is not supported with optimizer type {kind}", "remove the offload section"))
     for flag in ("cpu_offload", "cpu_offload_params"):
         if zero.get(flag):
-            raise config_error(f"zero_optimization.{flag}", f"offloading is not supported with optimizer type {kind}",
-                               "remove it")
+            report(config_error(f"zero_optimization.{flag}", f"offloading is not supported with optimizer type {kind}",
+                                "remove it"))
     if zero.get("zero_quantized_nontrainable_weights"):
-        raise config_error("zero_optimization.zero_quantized_nontrainable_weights",
-                           f"optimizer type {kind} never communicates frozen parameters (every rank holds them "
-                           "whole), so there is nothing to quantise", "remove it (or set it to false)")
+        report(config_error("zero_optimization.zero_quantized_nontrainable_weights",
+                            f"optimizer type {kind} never communicates frozen parameters (every rank holds them "
+                            "whole), so there is nothing to quantise", "remove it (or set it to false)"))
     if zero.get("zero_hpz_partition_size", 1) != 1:
-        raise config_error("zero_optimization.zero_hpz_partition_size", "hierarchical partitioning is not supported",
-                           "set it to 1 (CO2's group_size averages gradients inside a group of ranks instead)")
+        report(config_error("zero_optimization.zero_hpz_partition_size", "hierarchical partitioning is not supported",
+                            "set it to 1 (CO2's group_size averages gradients inside a group of ranks instead)"))
     unknown = sorted(set(zero) - _ZERO_ACCEPTED)
     for key in unknown:
         closest = _closest(key, _ZERO_ACCEPTED)
@@ -414,8 +531,7 @@ def _parse_fp16(section: Dict[str, Any]) -> Dict[str, Any]:
         raise config_error("fp16.loss_scale_window", "must be >= 1", "use e.g. 1000")
     if options["hysteresis"] < 1:
         raise config_error("fp16.hysteresis", "must be >= 1", "use e.g. 2")
-    if section.get("auto_cast"):
-        raise config_error("fp16.auto_cast", "auto-casting inputs is not supported", "cast the inputs yourself")
+    boolean("fp16.auto_cast", section.get("auto_cast", False))  # implemented: EngineConfig.auto_cast
     if section.get("consecutive_hysteresis"):
         raise config_error("fp16.consecutive_hysteresis", "refilling the hysteresis after every clean update is not "
                            "implemented", "set it to false (DeepSpeed's default)")
@@ -494,70 +610,131 @@ def resolve_communication_dtype(given: Optional[str], precision: str, compressed
     return precision
 
 
-def parse_config(config: Dict[str, Any], world_size: int) -> EngineConfig:
-    """Validate a DeepSpeed config that selects one of our optimizer types; raise ValueError on mistakes."""
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def parse_config(config: Dict[str, Any], world_size: int, *, caller_sets_boundaries: bool = False,
+                 client_scheduler: bool = False, param_group_count: Optional[int] = None) -> EngineConfig:
+    """Validate a DeepSpeed config that selects one of our optimizer types; raise one ValueError naming every
+    mistake, one line each (a single mistake: its own message).
+
+    ``caller_sets_boundaries``: the HF Trainer or Accelerate drive the engine (they pass accelerate's
+    ``DummyOptim``) and decide where each update ends; ``client_scheduler``: a scheduler passed to
+    ``initialize`` replaces the config's section, which is then not checked (as DeepSpeed ignores it);
+    ``param_group_count``: the model's parameter groups, for the scheduler's per-group lists."""
     section = config.get("optimizer")
     schedule_class = lookup(section.get("type")) if isinstance(section, dict) else None
     if schedule_class is None:
         raise ValueError("deepspeed_acco config: optimizer.type: not one of ours "
                          f"({', '.join(type_names())}); other types are DeepSpeed's to build")
     kind = schedule_class.type_name
-    unknown_section_keys = sorted(set(section) - {"type", "params"})
-    if unknown_section_keys:
-        raise config_error(f"optimizer.{unknown_section_keys[0]}", "unknown key", "keep only \"type\" and \"params\"")
-    check_top_level_keys(config)
-    params = parse_params(schedule_class.Params, section.get("params", {}) or {}, kind)
-    batch = resolve_batch_sizes(config, world_size)
-    schedule_class.validate_config(params, batch, world_size)
-
-    _check_bf16(config.get("bf16", config.get("bfloat16")))
-    bf16 = _enabled(config.get("bf16", config.get("bfloat16")), "bf16")
-    fp16 = _enabled(config.get("fp16"), "fp16")
-    if bf16 and fp16:
-        raise config_error("fp16", "both fp16 and bf16 are enabled", "enable at most one of them")
-    precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
-    fp16_loss_scale = _parse_fp16(config["fp16"]) if fp16 else {}
-
-    given = _parse_communication_dtype(config.get("communication_data_type"), precision)
     raw_params = section.get("params", {}) or {}
-    if given == "auto" and kind == "ShardedAdamW":
-        raise config_error("communication_data_type", "\"auto\" chooses a compressed wire where the link needs one, "
-                           "and ShardedAdamW, the synchronous baseline, never compresses on its own",
-                           "remove it (the model's dtype), or fix a wire: \"bf16\", \"fp32\", \"int8\", \"int4\"")
-    if given in _COMPRESSED_WIRES:
-        compression = _compressed_wire(config.get("zero_optimization"), params, raw_params, given, kind)
-        given = None
-    else:
-        compression = _parse_compression(config.get("zero_optimization"), params, raw_params,
-                                         None if given == "auto" else given, kind,
-                                         auto=given == "auto" or (given is None and kind != "ShardedAdamW"))
-    if given == "auto" and compression.enabled:
-        raise config_error("communication_data_type", "\"auto\" lets the engine choose the wire, and "
-                           "zero_optimization.zero_quantized_gradients / zero_quantized_weights fix it",
-                           "remove one of the two")
-    wire = resolve_wire(given, kind, compression, precision)
-    if given == "auto":
-        given = None
-    communication_dtype = resolve_communication_dtype(given, precision, compression.gradients)
-    data_types = config.get("data_types") or {}
-    given_accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
-    accumulation_dtype = "fp32" if given_accumulation is None else _DTYPE_NAMES.get(str(given_accumulation).lower())
-    if accumulation_dtype not in ("fp32", "bf16") or (accumulation_dtype == "bf16" and precision != "bf16"):
-        raise config_error("data_types.grad_accum_dtype",
-                           f"{given_accumulation!r} with a {precision} model: our engine accumulates gradients in "
-                           "fp32, or in bf16 for a bf16 model", "set it to \"fp32\", to \"bf16\" with "
-                           "bf16.enabled, or remove it")
+    with collecting():
+        for key in sorted(set(section) - {"type", "params"}):
+            report(config_error(f"optimizer.{key}", "unknown key", "keep only \"type\" and \"params\""))
+        with attempt():
+            check_top_level_keys(config)
+        params = batch = None
+        before = problems_so_far()
+        with attempt():
+            params = parse_params(schedule_class.Params, raw_params, kind)
+        params_valid = params is not None and problems_so_far() == before
+        unfilled = [key for key in _BATCH_KEYS if config.get(key) == AUTO_WORD]
+        for key in unfilled:
+            report(unfilled_auto_error(key))
+        if not unfilled:
+            with attempt():
+                batch = resolve_batch_sizes(config, world_size)
+                source = "config" if "gradient_accumulation_steps" in config else \
+                    "derived" if config.get("train_batch_size") is not None and \
+                    config.get("train_micro_batch_size_per_gpu") is not None else "default"
+                batch = dataclasses.replace(batch, accumulation_source=source,
+                                            caller_sets_boundaries=caller_sets_boundaries)
+        if params is not None and batch is not None:
+            with attempt():
+                schedule_class.validate_config(params, batch, world_size)
 
-    clipping = number("gradient_clipping", config.get("gradient_clipping", _deepspeed_default_gradient_clipping()))
-    if clipping < 0:
-        raise config_error("gradient_clipping", f"must be >= 0, got {clipping}", "use 0 to disable clipping")
+        precision, fp16_loss_scale, auto_cast = "fp32", {}, False
+        with attempt():
+            _check_bf16(config.get("bf16", config.get("bfloat16")))
+        with attempt():
+            bf16 = _enabled(config.get("bf16", config.get("bfloat16")), "bf16")
+            fp16 = _enabled(config.get("fp16"), "fp16")
+            if bf16 and fp16:
+                raise config_error("fp16", "both fp16 and bf16 are enabled", "enable at most one of them")
+            precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+            if fp16:
+                fp16_loss_scale = _parse_fp16(config["fp16"])
+                auto_cast = bool(config["fp16"].get("auto_cast", False))
+
+        given = communication_dtype = None
+        compression = CompressionConfig()
+        wire = "fp32"
+        with attempt():
+            given = _parse_communication_dtype(config.get("communication_data_type"), precision)
+            if given == "auto" and kind == "ShardedAdamW":
+                raise config_error("communication_data_type", "\"auto\" chooses a compressed wire where the link "
+                                   "needs one, and ShardedAdamW, the synchronous baseline, never compresses on its own",
+                                   "remove it (the model's dtype), or fix a wire: \"bf16\", \"fp32\", \"int8\", "
+                                   "\"int4\"")
+        if params_valid:  # the format params (quantization_bits, ...) are read only when valid
+            with attempt():
+                if given in _COMPRESSED_WIRES:
+                    compression = _compressed_wire(config.get("zero_optimization"), params, raw_params, given, kind)
+                else:
+                    compression = _parse_compression(config.get("zero_optimization"), params, raw_params,
+                                                     None if given == "auto" else given, kind,
+                                                     auto=given == "auto" or (given is None and kind != "ShardedAdamW"))
+                    if given == "auto" and compression.enabled:
+                        raise config_error("communication_data_type", "\"auto\" lets the engine choose the wire, and "
+                                           "zero_optimization.zero_quantized_gradients / zero_quantized_weights fix it",
+                                           "remove one of the two")
+        else:
+            with attempt():
+                _parse_zero(config.get("zero_optimization"), kind)
+        if given in _COMPRESSED_WIRES or given == "auto":
+            wire = resolve_wire(given if given == "auto" else None, kind, compression, precision)
+            given = None
+        else:
+            wire = resolve_wire(given, kind, compression, precision)
+        communication_dtype = resolve_communication_dtype(given, precision, compression.gradients)
+        accumulation_dtype = "fp32"
+        with attempt():
+            data_types = config.get("data_types") or {}
+            given_accumulation = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+            accumulation_dtype = "fp32" if given_accumulation is None else \
+                _DTYPE_NAMES.get(str(given_accumulation).lower())
+            if accumulation_dtype not in ("fp32", "bf16") or (accumulation_dtype == "bf16" and precision != "bf16"):
+                raise config_error("data_types.grad_accum_dtype",
+                                   f"{given_accumulation!r} with a {precision} model: our engine accumulates gradients "
+                                   "in fp32, or in bf16 for a bf16 model", "set it to \"fp32\", to \"bf16\" with "
+                                   "bf16.enabled, or remove it")
+
+        clipping, steps_per_print, wall_clock, drop_last = 0.0, 10, False, False
+        with attempt():
+            clipping = number("gradient_clipping",
+                              config.get("gradient_clipping", _deepspeed_default_gradient_clipping()))
+            if clipping < 0:
+                raise config_error("gradient_clipping", f"must be >= 0, got {clipping}", "use 0 to disable clipping")
+        with attempt():
+            steps_per_print = _parse_steps_per_print(config.get("steps_per_print", 10))
+        with attempt():
+            wall_clock = boolean("wall_clock_breakdown", config.get("wall_clock_breakdown", False))
+        with attempt():
+            drop_last = boolean("dataloader_drop_last", config.get("dataloader_drop_last", False))
+        if not client_scheduler:
+            with attempt():
+                check_scheduler_section(config.get("scheduler"), param_group_count=param_group_count)
+    # Past this point the config has no problem (collecting() raised otherwise).
     return EngineConfig(optimizer_type=kind, params=params, batch=batch, world_size=world_size, precision=precision,
                         communication_dtype=communication_dtype, communication_dtype_given=given is not None,
                         accumulation_dtype=accumulation_dtype,
                         compression=compression, wire=wire,
                         gradient_clipping=clipping,
-                        steps_per_print=_parse_steps_per_print(config.get("steps_per_print", 10)),
-                        wall_clock_breakdown=boolean("wall_clock_breakdown", config.get("wall_clock_breakdown", False)),
+                        steps_per_print=steps_per_print,
+                        wall_clock_breakdown=wall_clock,
                         fp16_loss_scale=fp16_loss_scale,
-                        dataloader_drop_last=boolean("dataloader_drop_last", config.get("dataloader_drop_last", False)),
+                        auto_cast=auto_cast,
+                        dataloader_drop_last=drop_last,
+                        no_effect=no_effect_keys(config, kind, client_scheduler=client_scheduler),
                         raw=copy.deepcopy(config))

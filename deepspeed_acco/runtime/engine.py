@@ -35,7 +35,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from .. import ops
 from .builder import build, local_rank
 from .comm import CommunicationError
-from .config import EngineConfig
+from .config import EngineConfig, no_effect_note
 from .jobs import JobResult
 from .regime import Regime
 
@@ -132,6 +132,8 @@ class AccoEngine(DeepSpeedEngine):
         """What the defaults did for this config, logged once here (docs/design.md, 2 "Defaults")."""
         if self.defaults_note:
             _log_rank0(self.defaults_note)
+        if no_effect_note(config):  # keys the config gives that do nothing here (docs/usage.md)
+            _log_rank0(no_effect_note(config), logging.WARNING)
 
     def __del__(self):
         # DeepSpeedEngine.__del__ calls destroy(); ours finishes jobs and releases process groups,
@@ -206,6 +208,8 @@ class AccoEngine(DeepSpeedEngine):
     # ---- the training loop -----------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self._check_healthy()
+        if self.engine_config.auto_cast:  # fp16.auto_cast: DeepSpeed's rule, positional inputs only
+            inputs = cast_floating(inputs, self.engine_config.model_torch_dtype)
         if not torch.is_grad_enabled():  # an evaluation: not part of training's time
             return self.module(*inputs, **kwargs)
         with self.schedule.time.timed("compute", "forward"):
@@ -382,6 +386,10 @@ class AccoEngine(DeepSpeedEngine):
 
     def fp16_enabled(self) -> bool:
         return self.engine_config.precision == "fp16"
+
+    def fp16_auto_cast(self) -> bool:
+        """Whether the forward casts floating-point inputs to fp16 (``fp16.auto_cast`` under fp16)."""
+        return self.engine_config.auto_cast
 
     def amp_enabled(self) -> bool:
         return False
@@ -755,6 +763,20 @@ def _weak_method(method):
         if bound is not None:
             bound(*args)
     return call
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it cast to ``dtype``, through lists, tuples and dicts
+    (``fp16.auto_cast``, as DeepSpeed's engine casts the forward's positional inputs); other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(cast_floating(item, dtype) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: cast_floating(item, dtype) for key, item in value.items()}
+    return value
 
 
 def _register_module_hooks(engine: AccoEngine, module: torch.nn.Module) -> list:

@@ -161,7 +161,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     if model is None:
         raise ValueError("model: deepspeed_acco.initialize requires a model")
-    if _is_accelerate_placeholder(optimizer, "DummyOptim"):
+    # The HF Trainer and Accelerate pass a DummyOptim for a config that names the optimizer (ours always do),
+    # and they decide where each update ends (set_gradient_accumulation_boundary).
+    caller_sets_boundaries = _is_accelerate_placeholder(optimizer, "DummyOptim")
+    if caller_sets_boundaries:
         # The HF Trainer / Accelerate stand-in for "the optimizer is in the config": its params are ours.
         model_parameters = optimizer.params if model_parameters is None else model_parameters
         optimizer = None
@@ -177,8 +180,13 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if unsupported:
         raise ValueError(f"{', '.join(unsupported)}: not supported with deepspeed_acco's optimizer types; remove "
                          f"the argument (or pass None)")
-    acco_config = parse_config(config_dict, _world_size_before_init())
     param_groups = _param_groups(model, model_parameters)
+    # Before the parser, which builds the config's LR scheduler once on a stand-in optimizer (the first
+    # torch optimizer of a process imports torch._dynamo).
+    _import_torch_dynamo_off_the_stack()
+    parse_options = dict(caller_sets_boundaries=caller_sets_boundaries, client_scheduler=lr_scheduler is not None,
+                         param_group_count=len(param_groups))
+    acco_config = parse_config(config_dict, _world_size_before_init(), **parse_options)
     if _uses_nccl():
         # Before our own groups exist; warns if an NCCL communicator of the script's predates it (docs/gpu.md).
         prepare_nccl_environment()
@@ -187,9 +195,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     elif not dist.is_initialized():
         raise ValueError("dist_init_required=False but torch.distributed is not initialised; initialise it first")
     if dist.get_world_size() != acco_config.world_size:
-        acco_config = parse_config(config_dict, dist.get_world_size())
+        acco_config = parse_config(config_dict, dist.get_world_size(), **parse_options)
     device = device_for_backend()
-    _import_torch_dynamo_off_the_stack()
     # Decides the update kernels before any group of ours exists: on CUDA a kernel that cannot be built
     # raises here with the build's error instead of training on the slower torch reference (ops/_backend.py).
     ops.backend(device)

@@ -4,17 +4,40 @@ The rule, applied once when the engine is built, from the LR scheduler the engin
 scheduler step per committed update):
 
 1. the scheduler knows the run's length T (its updates): N = T // 6, a sixth of the run;
-2. it knows only its LR warm-up W (updates): N = 4 * W;
-3. it knows neither (no scheduler, or one whose shape says nothing): N = 0.
+2. it knows only its LR warm-up W (updates): N = 4 * W, a sixth of a run whose warm-up is a
+   24th of it;
+3. it knows neither (no scheduler, one whose shape says nothing, or a warm-up of at most
+   DeepSpeed's floor of 2 updates): N = 0.
 
 Evidence (docs/studies/acco_convergence.md, "What the gap is made of" and "Against the 1% target"):
 a synchronous sixth kept ACCO within 1% of ZeRO-1 at 300 and 720 updates (120 of 720, four
-seeds) and at 240 updates (40 of 240, one seed); without it ACCO ended +6.5% at 720. On the
-240-update run the sixth was 4 times the LR warm-up of 10 updates, hence rule 2.
+seeds) and at 240 updates (40 of 240, one seed); without it ACCO ended +6.5% at 720. A third
+(240 of 720, four seeds) and two thirds (480, one seed) ended no closer to ZeRO-1 than a sixth,
+and synchronous updates from ACCO's state at 240 or 480 did not recover what it had lost. So too
+short a warm-up costs loss that is not won back, and too long a one costs only speed: its
+updates are ShardedAdamW's, never slower than DeepSpeed's ZeRO-1. Rule 2 therefore errs long.
+Without the run's length, the warm-up's share of the run is the only hint: 1.4% and 4.2% in the
+bench's 720- and 240-update runs (a sixth is 12 W and 4 W), often 3% to 10% under the HF
+Trainer's ``warmup_ratio`` (a sixth is 5.6 W to 1.7 W), 16% in DeepSpeedExamples' CIFAR script
+on one GPU (1,000 of 6,250 updates: a sixth is 1.04 W). 4 W is a sixth at the measured 4.2% share
+and more than a sixth for any larger share, so it falls short only for runs whose warm-up is
+under a 24th of them; the start-up line states the run length it assumes, and an integer is the
+way to set N for another. What a warm-up shorter than a sixth does to the loss has not been
+measured.
+
+Per scheduler (docs/usage.md states the same):
+- DeepSpeed's ``WarmupDecayLR`` and ``WarmupCosineLR``: rule 1 with ``total_num_steps``.
+- DeepSpeed's ``OneCycle``: rule 1 with its cycle, ``cycle_first_step_size`` +
+  ``cycle_second_step_size`` (the 1cycle policy spans the run with one cycle; what follows it is
+  a short decay).
+- DeepSpeed's ``WarmupLR``: rule 2 with ``warmup_num_steps``; rule 3 where that is at most 2,
+  DeepSpeed's floor (it raises 1 to 2, and transformers writes 1 for "no warm-up").
+- DeepSpeed's ``LRRangeTest``: rule 3 (a learning-rate search, not a training run).
 
 What the engine reads:
 - DeepSpeed's ``WarmupDecayLR`` and ``WarmupCosineLR``: ``total_num_steps`` (T) and
-  ``warmup_num_steps`` (W); ``WarmupLR``: ``warmup_num_steps`` only (it stays at its peak).
+  ``warmup_num_steps`` (W); ``WarmupLR``: ``warmup_num_steps`` only (it stays at its peak);
+  ``OneCycle``: its cycle (T) and first step (W).
 - torch's ``OneCycleLR`` (``total_steps``), ``CosineAnnealingLR`` (``T_max``), ``PolynomialLR``
   (``total_iters``): T.
 - torch's ``LambdaLR`` (the Hugging Face Trainer's schedules): its first param group's lambda is
@@ -39,6 +62,8 @@ RUN_FRACTION = 6
 """N = the run's updates // RUN_FRACTION when the scheduler knows the run's length."""
 LR_WARMUP_MULTIPLE = 4
 """N = LR_WARMUP_MULTIPLE x the LR warm-up when only the warm-up is known."""
+DEEPSPEED_WARMUP_FLOOR = 2
+"""DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR raise a smaller warmup_num_steps to this."""
 _SEARCH_LIMIT = 2**40
 """Steps beyond which a LambdaLR probe gives up (the shape is then unknown)."""
 
@@ -117,7 +142,16 @@ def schedule_shape(lr_scheduler) -> ScheduleShape:
                              _positive_int(getattr(lr_scheduler, "warmup_num_steps", None)),
                              f"{name} total_num_steps")
     if name == "WarmupLR" and hasattr(lr_scheduler, "warmup_num_steps"):
-        return ScheduleShape(None, _positive_int(lr_scheduler.warmup_num_steps), f"{name} warmup_num_steps")
+        warmup = _positive_int(lr_scheduler.warmup_num_steps)
+        if warmup is not None and warmup <= DEEPSPEED_WARMUP_FLOOR:
+            return ScheduleShape(None, None, f"{name}, whose warm-up of {warmup} updates is DeepSpeed's floor (no "
+                                 f"warm-up) and which holds its learning rate to the end")
+        return ScheduleShape(None, warmup, f"{name} warmup_num_steps")
+    if name == "OneCycle" and hasattr(lr_scheduler, "total_size"):
+        return ScheduleShape(_positive_int(lr_scheduler.total_size), _positive_int(getattr(
+            lr_scheduler, "first_step_size", None)), f"{name} cycle_first_step_size + cycle_second_step_size")
+    if name == "LRRangeTest":
+        return ScheduleShape(None, None, f"{name}, a learning-rate search without a run length")
     for cls, attribute in ((schedulers.OneCycleLR, "total_steps"), (schedulers.CosineAnnealingLR, "T_max"),
                            (getattr(schedulers, "PolynomialLR", ()), "total_iters")):
         if cls and isinstance(lr_scheduler, cls):
@@ -140,7 +174,9 @@ def resolve_auto_warmup(lr_scheduler, sync_after_updates: Optional[int] = None) 
     elif shape.warmup_updates:
         updates = LR_WARMUP_MULTIPLE * shape.warmup_updates
         reason = (f"{LR_WARMUP_MULTIPLE} x the scheduler's {shape.warmup_updates}-update LR warm-up "
-                  f"({shape.source}); the run's length is not known to the engine")
+                  f"({shape.source}); the run's length is not known to the engine: this is a sixth of a run of "
+                  f"{RUN_FRACTION * updates} updates; for a run of another length set warmup_sync_updates to a "
+                  f"sixth of its updates")
     else:
         updates = 0
         reason = (f"{shape.source}: the run's length is not known to the engine; set warmup_sync_updates to "

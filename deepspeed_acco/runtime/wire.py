@@ -166,11 +166,14 @@ def quantization_job_s(bits: int, block_size: int, padded_numels: Sequence[int],
         for _ in range(repeats):
             run()
         per_run = (time.perf_counter() - began) / repeats
-    # One run handles n values in each of the four kernels; a job runs quantize and dequantize_sum on
-    # (W - 1) S values, quantize_delta on S and apply_delta on W S: about 2 W S values' worth in all.
-    per_value = per_run / (4 * n)
-    job_values = sum(2 * (world_size - 1) * (p // world_size) + p // world_size + p for p in padded_numels)
-    return per_value * job_values
+    # One run handles n values in each of the four kernels.
+    return per_run / (4 * n) * quantized_values_per_job(padded_numels, world_size)
+
+
+def quantized_values_per_job(padded_numels: Sequence[int], world_size: int) -> int:
+    """Values one compressed job's kernels handle on a rank: per group of P values (S = P / W), quantize
+    and dequantize_sum on (W - 1) S each, quantize_delta on S, apply_delta on P."""
+    return sum(2 * (world_size - 1) * (p // world_size) + p // world_size + p for p in padded_numels)
 
 
 def compression_extra_bytes(padded_numels: Sequence[int], world_size: int, bits: int, block_size: int, *,

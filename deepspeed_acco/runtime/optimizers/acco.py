@@ -57,22 +57,35 @@ class ACCO(Schedule):
     @classmethod
     def validate_config(cls, params: ACCOParams, batch, world_size: int) -> None:
         accumulation, micro = batch.gradient_accumulation_steps, batch.micro_batch_size
+        caller_sets_boundaries = getattr(batch, "caller_sets_boundaries", False)
+        if params.dynamic_accumulation and caller_sets_boundaries:
+            raise config_error("optimizer.params.dynamic_accumulation", "the HF Trainer and Accelerate decide where "
+                               "each update ends (set_gradient_accumulation_boundary), and dynamic accumulation ends "
+                               "rounds when a job is done", "set it to false (an even gradient_accumulation_steps "
+                               "splits each update into ACCO's two halves)")
         if params.dynamic_accumulation or accumulation % 2 == 0:
             return
         problem = f"ACCO splits each update's micro-batches into two halves, so it must be even, got {accumulation}"
+        source = getattr(batch, "accumulation_source", "config")
+        if source == "default":
+            problem += " (DeepSpeed's default when the key is absent)"
+        elif source == "derived":
+            problem += (f" (train_batch_size / (train_micro_batch_size_per_gpu {micro} x {world_size} data-parallel "
+                        f"ranks))")
         if accumulation == 1 and micro % 2 == 0:
-            # 1 is DeepSpeed's and the HF Trainer's default: the fix that keeps the samples per update.
-            problem += " (DeepSpeed's and the HF Trainer's default)"
+            # Two lines that keep the samples per update.
             fix = (f"keep the batch with two lines: \"train_micro_batch_size_per_gpu\": {micro // 2} and "
                    f"\"gradient_accumulation_steps\": 2 (HF Trainer: --per_device_train_batch_size {micro // 2} "
                    f"--gradient_accumulation_steps 2)")
         elif accumulation == 1:
-            problem += " (DeepSpeed's and the HF Trainer's default)"
             fix = (f"set \"gradient_accumulation_steps\": 2 (HF Trainer: --gradient_accumulation_steps 2); "
                    f"train_micro_batch_size_per_gpu {micro} is odd, so an update then takes twice the samples")
         else:
             fix = ("use an even number (e.g. halve train_micro_batch_size_per_gpu and double "
                    "gradient_accumulation_steps)")
+        if caller_sets_boundaries:
+            # The HF Trainer and Accelerate decide the boundaries, which dynamic accumulation cannot follow.
+            raise config_error("gradient_accumulation_steps", problem, fix)
         raise config_error("gradient_accumulation_steps", problem,
                            fix + ", or set optimizer.params.dynamic_accumulation to true")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, FrozenSet, Optional, Tuple, Union
 
 from ...ops import quantization
-from ..checks import boolean, config_error, integer, number
+from ..checks import attempt, boolean, collecting, config_error, integer, number, report, unfilled_auto_error
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
@@ -24,6 +24,8 @@ AUTO = "auto"
 def _parse_value(key: str, annotation, value: Any, choices: Tuple[str, ...]):
     if isinstance(value, str) and value in choices:
         return value
+    if value == AUTO:
+        raise unfilled_auto_error(key)
     origin = typing.get_origin(annotation)
     arguments = typing.get_args(annotation)
     if annotation is float:
@@ -65,19 +67,22 @@ def parse_params(cls, raw: Dict[str, Any], type_name: str, prefix: str = "optimi
         deepspeed_keys = {key: raw[key] for key in raw if key in DEEPSPEED_ADAM_PARAMS}
         raw = {key: value for key, value in raw.items() if key not in deepspeed_keys}
     known = {item.name: item for item in fields(cls)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise config_error(f"{prefix}.{unknown[0]}", f"unknown parameter for optimizer type {type_name!r}",
-                           f"remove it; {type_name} accepts {sorted(known)}")
     hints = typing.get_type_hints(cls)
     values = {}
-    for key, value in raw.items():
-        choices = tuple(known[key].metadata.get("choices", ()))
-        values[key] = _parse_value(f"{prefix}.{key}", hints[key], value, choices)
-    parsed = cls(**values)
-    parsed.given = frozenset(raw)
-    parsed.validate(prefix)
-    check_deepspeed_adam_params(deepspeed_keys, parsed, type_name, prefix)
+    with collecting():  # every key's problem at once (docs/design.md, 10)
+        for key in sorted(set(raw) - set(known)):
+            report(config_error(f"{prefix}.{key}", f"unknown parameter for optimizer type {type_name!r}",
+                                f"remove it; {type_name} accepts {sorted(known)}"))
+        for key, value in raw.items():
+            if key in known:
+                with attempt():
+                    choices = tuple(known[key].metadata.get("choices", ()))
+                    values[key] = _parse_value(f"{prefix}.{key}", hints[key], value, choices)
+        # The range checks see the values that parsed; a value refused above keeps its default here.
+        parsed = cls(**values)
+        parsed.given = frozenset(raw)
+        parsed.validate(prefix)
+        check_deepspeed_adam_params(deepspeed_keys, parsed, type_name, prefix)
     return parsed
 
 
@@ -128,17 +133,19 @@ class AdamWParams(PipelineParams):
     """Decoupled weight decay coefficient."""
 
     def validate(self, prefix: str) -> None:
-        super().validate(prefix)
+        with attempt():
+            super().validate(prefix)
         if self.lr <= 0:
-            raise config_error(f"{prefix}.lr", f"must be > 0, got {self.lr}", "set a positive learning rate, e.g. 1e-3")
+            report(config_error(f"{prefix}.lr", f"must be > 0, got {self.lr}",
+                                "set a positive learning rate, e.g. 1e-3"))
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
-            raise config_error(f"{prefix}.betas", f"each beta must lie in [0, 1), got {list(self.betas)}",
-                               "use e.g. [0.9, 0.999]")
+            report(config_error(f"{prefix}.betas", f"each beta must lie in [0, 1), got {list(self.betas)}",
+                                "use e.g. [0.9, 0.999]"))
         if self.eps <= 0:
-            raise config_error(f"{prefix}.eps", f"must be > 0, got {self.eps}", "use e.g. 1e-8")
+            report(config_error(f"{prefix}.eps", f"must be > 0, got {self.eps}", "use e.g. 1e-8"))
         if self.weight_decay < 0:
-            raise config_error(f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}",
-                               "use 0 to disable weight decay")
+            report(config_error(f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}",
+                                "use 0 to disable weight decay"))
 
 
 @dataclass(kw_only=True)
@@ -250,26 +257,32 @@ def check_deepspeed_adam_params(given: Dict[str, Any], params: "AdamWParams", ty
     """Honour or refuse each DeepSpeed Adam/AdamW parameter in ``given`` (``ValueError`` naming the key and
     the fix); each implementation selector is noted once per process."""
     for key, value in given.items():
-        name = f"{prefix}.{key}"
-        if key in REFUSED_PARAMS:
-            problem, fix = REFUSED_PARAMS[key]
-            raise config_error(name, problem, fix)
-        if key in IMPLEMENTATION_SELECTORS:
-            if not (value is None and key in _NULLABLE):
-                boolean(name, value)
-            if key not in _noted:
-                _noted.add(key)
-                logger.warning("deepspeed_acco config: %s: in DeepSpeed it %s; %s runs deepspeed_acco's own fused "
-                               "AdamW (the same update), so it has no effect here", name, IMPLEMENTATION_SELECTORS[key],
-                               type_name)
-            continue
-        rule = MATH_PARAMS[key]
-        if (value is None and key in _NULLABLE) or boolean(name, value) == rule.ours:
-            continue
-        if key == "adam_w_mode" and params.weight_decay == 0:
-            continue  # without weight decay, Adam and AdamW are the same update
-        fix = f"remove it (or set it to {str(rule.ours).lower()})"
-        if key == "adam_w_mode":
-            fix += (" for AdamW's decoupled weight decay and re-tune weight_decay, or set \"weight_decay\": 0 "
-                    "(DeepSpeed's FusedAdam default), where Adam and AdamW are the same update")
-        raise config_error(name, f"{type_name} implements AdamW: {rule.otherwise}", fix)
+        with attempt():
+            _check_deepspeed_adam_param(key, value, params, type_name, prefix)
+
+
+def _check_deepspeed_adam_param(key: str, value: Any, params: "AdamWParams", type_name: str, prefix: str) -> None:
+    """One parameter of :func:`check_deepspeed_adam_params`."""
+    name = f"{prefix}.{key}"
+    if key in REFUSED_PARAMS:
+        problem, fix = REFUSED_PARAMS[key]
+        raise config_error(name, problem, fix)
+    if key in IMPLEMENTATION_SELECTORS:
+        if not (value is None and key in _NULLABLE):
+            boolean(name, value)
+        if key not in _noted:
+            _noted.add(key)
+            logger.warning("deepspeed_acco config: %s: in DeepSpeed it %s; %s runs deepspeed_acco's own fused "
+                           "AdamW (the same update), so it has no effect here", name, IMPLEMENTATION_SELECTORS[key],
+                           type_name)
+        return
+    rule = MATH_PARAMS[key]
+    if (value is None and key in _NULLABLE) or boolean(name, value) == rule.ours:
+        return
+    if key == "adam_w_mode" and params.weight_decay == 0:
+        return  # without weight decay, Adam and AdamW are the same update
+    fix = f"remove it (or set it to {str(rule.ours).lower()})"
+    if key == "adam_w_mode":
+        fix += (" for AdamW's decoupled weight decay and re-tune weight_decay, or set \"weight_decay\": 0 "
+                "(DeepSpeed's FusedAdam default), where Adam and AdamW are the same update")
+    raise config_error(name, f"{type_name} implements AdamW: {rule.otherwise}", fix)
