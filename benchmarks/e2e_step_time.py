@@ -103,7 +103,7 @@ class Bench:
         self.tokens = torch.randint(0, 256, (batches, micro_batch, self.args.ctx), generator=generator).to(self.device)
 
     def model(self):
-        from deepspeed_acco.bench.models import build_model
+        from deepspeed_acco.bench.workload.models import build_model
         return build_model(self.model_name, self.args.ctx, seed=0)
 
     def synchronize(self) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU study: one prepared run for a lent GPU machine (one H200), in order of value (docs/gpu_study.md):
-#   (a) overlap: the 125M model against an emulated slow link (deepspeed_acco/bench/linkemu.py) at
+#   (a) overlap: the 125M model against an emulated slow link (deepspeed_acco/bench/network/linkemu.py) at
 #       three rates, DeepSpeed ZeRO-1, ShardedAdamW, DPU, ACCO and CO2 against their bounds;
 #   (b) convergence: ShardedAdamW against ACCO (and CO2 if time allows) at 125M over 1,000 or more
 #       updates on the Python standard library's sources.

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
-from deepspeed_acco.bench.data import WindowSampler, load_corpus, validation_windows
-from deepspeed_acco.bench.models import PRESETS, build_model, count_parameters
+from deepspeed_acco.bench.workload.data import WindowSampler, load_corpus, validation_windows
+from deepspeed_acco.bench.workload.models import PRESETS, build_model, count_parameters
 
 
 @dataclass

@@ -23,8 +23,8 @@ import time
 import torch
 
 import deepspeed_acco
-from deepspeed_acco.bench.data import WindowSampler, load_corpus, validation_windows
-from deepspeed_acco.bench.models import PRESETS, build_model, count_parameters
+from deepspeed_acco.bench.workload.data import WindowSampler, load_corpus, validation_windows
+from deepspeed_acco.bench.workload.models import PRESETS, build_model, count_parameters
 
 
 def parse_args():

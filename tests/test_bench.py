@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from deepspeed_acco.bench import netns, report
-from deepspeed_acco.bench.methods import METHODS, ds_config, parse_variant, resolve_methods, warmup_decay_lr
-from deepspeed_acco.bench.train import is_eval_update, parse_slow_rank
+from deepspeed_acco.bench.reporting import report
+from deepspeed_acco.bench.network import netns
+from deepspeed_acco.bench.workload.methods import METHODS, ds_config, parse_variant, resolve_methods, warmup_decay_lr
+from deepspeed_acco.bench.running.train import is_eval_update, parse_slow_rank
 from link_checks import assert_full_duplex
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +84,7 @@ def test_method_modifiers_merge_into_the_config():
     q8 = ds_config("acco+q8", **common)["zero_optimization"]
     assert q8 == {"zero_quantized_gradients": True, "zero_quantized_weights": True}
     assert ds_config("zero1+bf16comm", **common)["zero_optimization"] == {"stage": 1}
-    from deepspeed_acco.bench.methods import _merge  # nested sections merge key by key, inputs untouched
+    from deepspeed_acco.bench.workload.methods import _merge  # nested sections merge key by key, inputs untouched
     base = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
     assert _merge(base, {"zero_optimization": {"zero_quantized_gradients": True}}) == {
         "zero_optimization": {"stage": 1, "zero_quantized_gradients": True}, "bf16": {"enabled": True}}
@@ -110,7 +111,7 @@ def test_method_modifiers_merge_into_the_config():
 def test_engine_refusal_of_a_modifier_is_reported_before_any_job(monkeypatch):
     """A modifier our engine does not support (here fp16 communication) is refused by the engine's own
     config parser, with its message, before any job starts; DeepSpeed's own methods are not checked."""
-    from deepspeed_acco.bench import methods
+    from deepspeed_acco.bench.workload import methods
     from deepspeed_acco.bench.__main__ import build_parser, check_args, refused_by_engine
     monkeypatch.setitem(methods.MODIFIERS, "fp16comm", methods.Modifier("fp16comm", "fp16 comm",
                                                                          {"communication_data_type": "fp16"}))
@@ -166,8 +167,8 @@ def test_defaults_derive_eval_interval_and_max_updates():
 
 def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
     from deepspeed_acco.bench.__main__ import build_parser, check_args, worker_args
-    from deepspeed_acco.bench.train import co2_options
-    from deepspeed_acco.bench.train import parse_args as worker_parse
+    from deepspeed_acco.bench.running.train import co2_options
+    from deepspeed_acco.bench.running.train import parse_args as worker_parse
     from deepspeed_acco.runtime.config import parse_config
     args = build_parser().parse_args(["--outer-lr", "0.7", "--outer-momentum", "0.2", "--gap-penalty", "2",
                                       "--ranks-per-node", "2", "--eval-every", "3", "--precision", "bf16"])
@@ -231,7 +232,7 @@ def test_beta1_reaches_every_method_and_the_lone_replica(capsys):
     # --beta1 sets AdamW's beta1 of DeepSpeed's config and of the compute-only baseline alike;
     # the default keeps the bench's 0.9, and a value outside [0, 1) is refused naming the flag.
     from deepspeed_acco.bench.__main__ import build_parser, worker_args
-    from deepspeed_acco.bench.train import parse_args as train_args
+    from deepspeed_acco.bench.running.train import parse_args as train_args
     assert build_parser().parse_args([]).beta1 == 0.9
     args = build_parser().parse_args(["--beta1", "0.5"])
     cmd = worker_args(args, "dpu", "/tmp/x")
@@ -239,7 +240,7 @@ def test_beta1_reaches_every_method_and_the_lone_replica(capsys):
     worker = ["--method", "dpu", "--run-dir", "/tmp/x"]
     assert train_args(worker + ["--beta1", "0.5"]).beta1 == 0.5 and train_args(worker).beta1 == 0.9
     import torch
-    from deepspeed_acco.bench.train import _ComputeOnly
+    from deepspeed_acco.bench.running.train import _ComputeOnly
     lone = _ComputeOnly(torch.nn.Linear(2, 2), train_args(worker + ["--beta1", "0.5", "--precision", "fp32"]), 1)
     assert lone.opt.param_groups[0]["betas"] == (0.5, 0.95)
     for method in ("zero1", "dpu", "acco", "co2"):
@@ -616,7 +617,7 @@ def test_cluster_links_are_full_duplex_per_node_and_removed():
         assert set(cpu) == {"user", "system", "irq", "softirq"} and min(cpu.values()) >= 0.0, cpu
         assert 0.0 < cpu["system"] + cpu["softirq"] + cpu["irq"] < 1e3 / (2 * 200 / 8), cpu
     assert not set(names) & set(_our_namespaces())
-    from deepspeed_acco.bench.summary import network_cpu_lines
+    from deepspeed_acco.bench.reporting.summary import network_cpu_lines
     line, = network_cpu_lines(dict(duplex_cpu_ms_per_mb=dict(user=0.1, system=1.1, irq=0.0, softirq=0.6)))
     assert "1.80 ms per MB delivered, 1.70 of it in the kernel" in line, line
     assert network_cpu_lines(dict(measured_bps=1e8)) == []
@@ -624,7 +625,7 @@ def test_cluster_links_are_full_duplex_per_node_and_removed():
 
 def test_report_names_the_update_kernels_our_engines_ran():
     from types import SimpleNamespace
-    from deepspeed_acco.bench.summary import update_kernels_line
+    from deepspeed_acco.bench.reporting.summary import update_kernels_line
     run = lambda *backends: SimpleNamespace(summaries={k: {"update_backend": b} for k, b in enumerate(backends)})
     assert update_kernels_line([run(None, None)]) == ""  # DeepSpeed's engine or the compute-only loop
     fused = "Update kernels of our engines: cpu, the fused C++ kernels"
@@ -634,8 +635,8 @@ def test_report_names_the_update_kernels_our_engines_ran():
 
 
 def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_bound():
-    from deepspeed_acco.bench.methods import ds_config, parse_variant
-    from deepspeed_acco.bench.report import bound_seconds
+    from deepspeed_acco.bench.workload.methods import ds_config, parse_variant
+    from deepspeed_acco.bench.reporting.report import bound_seconds
     common = dict(world_size=2, micro_batch=4, grad_accum=2, lr=1e-3, total_updates=30, warmup=5)
     cfg = ds_config("co2+eager", **common, warmup_sync_updates=6)
     assert cfg["optimizer"]["params"]["anchor_merge_steps"] == 1
@@ -657,7 +658,7 @@ def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_boun
     # one inner step; plain CO2 follows the engine's default anchor_merge_steps.
     assert bound_seconds("co2+paper", 1.0, 6.0, 12) == 1.0
     assert bound_seconds("co2+eager", 1.0, 6.0, 12) == 6.0
-    from deepspeed_acco.bench.methods import co2_overlap_steps
+    from deepspeed_acco.bench.workload.methods import co2_overlap_steps
     from deepspeed_acco.runtime.optimizers.co2 import CO2Params
     default_merge = CO2Params.__dataclass_fields__["anchor_merge_steps"].default
     assert co2_overlap_steps("co2", 12) == (default_merge or 12)
@@ -680,7 +681,7 @@ def test_co2_eager_modifier_and_synchronous_warmup_reach_the_config_and_the_boun
 
 
 def test_precision_auto_follows_native_bf16():
-    from deepspeed_acco.bench.precision import choose_precision
+    from deepspeed_acco.bench.workload.precision import choose_precision
     no = lambda: False  # noqa: E731
     # A CPU with AVX512-BF16 or AMX: bf16, and the reason names the flag.
     prec, why = choose_precision("auto", cuda_available=False, flags=lambda: {"avx2", "avx512f", "avx512_bf16"},
@@ -705,7 +706,7 @@ def test_precision_auto_follows_native_bf16():
 
 
 def test_auto_bandwidth_solves_for_the_share():
-    from deepspeed_acco.bench.commprobe import rate_for_share
+    from deepspeed_acco.bench.reporting.commprobe import rate_for_share
     bits, t_compute = 8e6, 0.6
     # No fixed part: a third of the update is T_comm = T_compute / 2 = 0.3 s, so 8 Mbit / 0.3 s.
     rate, fixed = rate_for_share(1 / 3, t_compute, bits, 1e8, bits / 1e8)
@@ -726,8 +727,8 @@ def test_auto_bandwidth_counts_what_the_probe_moves():
     all-gather, 1.5x the ideal round at two ranks; the rate must count that volume, or its extra
     half passes for a fixed part that does not shrink with the rate. The figures are a bf16 demo's
     (compute-only 432 ms/update; the probe's round 384 ms at 243.726 Mbit/s)."""
-    from deepspeed_acco.bench import report
-    from deepspeed_acco.bench.commprobe import rate_for_share
+    from deepspeed_acco.bench.reporting import report
+    from deepspeed_acco.bench.reporting.commprobe import rate_for_share
     n, world, nodes = 3_287_552, 2, 2
     ideal = report.method_comm_seconds("zero1", n, world, 1.0, "bf16", nodes)
     probe = report.probe_round_bits("zero1", n, world, "bf16", nodes)
@@ -795,7 +796,7 @@ def test_checkpoint_and_resume_continue_the_run_exactly(tmp_path):
     env = dict(_env(), OMP_NUM_THREADS="1")
 
     def train(name, *extra):
-        subprocess.run([sys.executable, "-m", "deepspeed_acco.bench.train", "--run-dir", str(tmp_path / name),
+        subprocess.run([sys.executable, "-m", "deepspeed_acco.bench.running.train", "--run-dir", str(tmp_path / name),
                         *common, *extra], check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, timeout=300)
         rows = [json.loads(line) for line in open(tmp_path / name / "rank0.jsonl")]
         return rows, json.load(open(tmp_path / name / "rank0.summary.json"))
@@ -810,7 +811,7 @@ def test_checkpoint_and_resume_continue_the_run_exactly(tmp_path):
         [(r["loss"], r["samples"], r["lr"]) for r in rows[2:]]
     assert resumed["val"] == {k: v for k, v in summary["val"].items() if k in ("2", "4")}
     with pytest.raises(subprocess.CalledProcessError):  # nothing to resume from: an error, not a fresh run
-        subprocess.run([sys.executable, "-m", "deepspeed_acco.bench.train", "--run-dir", str(tmp_path / "none"),
+        subprocess.run([sys.executable, "-m", "deepspeed_acco.bench.running.train", "--run-dir", str(tmp_path / "none"),
                         *common, "--resume", str(tmp_path / "empty")], check=True, env=env, cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     assert "--resume" in open(tmp_path / "none" / "failure_rank0.txt").read()

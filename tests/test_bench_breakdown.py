@@ -3,8 +3,8 @@ the parts from each kind of engine, the per-update and per-job figures, the repo
 drawing of a trace. No processes; tests/test_bench_clock.py checks the same on real runs."""
 import pytest
 
-from deepspeed_acco.bench.breakdown import (LoopClock, breakdown_lines, engine_kind, job_summary_ms, per_update_ms,
-                                            plot_timeline)
+from deepspeed_acco.bench.reporting.breakdown import (LoopClock, breakdown_lines, engine_kind, job_summary_ms,
+                                                      per_update_ms, plot_timeline)
 from deepspeed_acco.runtime.timeline import Timeline, chrome_trace
 
 

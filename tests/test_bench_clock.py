@@ -25,7 +25,7 @@ import sys
 import pytest
 
 from deepspeed_acco import ops
-from deepspeed_acco.bench import netns
+from deepspeed_acco.bench.network import netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UPDATES = 5

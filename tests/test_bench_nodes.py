@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from deepspeed_acco.bench import netns
+from deepspeed_acco.bench.network import netns
 from link_checks import assert_full_duplex
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""benchmarks/co2_study.py: the outer rules' identities on the tiny preset (a few seconds each)."""
+"""benchmarks/studies/co2_study.py: the outer rules' identities on the tiny preset (a few seconds each)."""
 import importlib.util
 import os
 
@@ -8,7 +8,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _study():
-    spec = importlib.util.spec_from_file_location("co2_study", os.path.join(REPO, "benchmarks", "co2_study.py"))
+    spec = importlib.util.spec_from_file_location("co2_study",
+                                                  os.path.join(REPO, "benchmarks", "studies", "co2_study.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

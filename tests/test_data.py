@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from deepspeed_acco.bench import data
+from deepspeed_acco.bench.workload import data
 
 
 def _write_tree(root, n=40):

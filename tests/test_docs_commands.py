@@ -1,4 +1,4 @@
-"""Every command README.md and docs/ tell a reader to run works as written (docs/design.md, 7).
+"""Every command README.md, docs/ and benchmarks/ pages tell a reader to run works as written (docs/design.md, 7).
 
 The commands are read from the documents: lines of fenced shell blocks and inline code that start
 with one of :data:`ENTRY_POINTS`. Commands in the report folders under docs/results/ are records
@@ -126,7 +126,8 @@ def commands_in(path: Path, name: str) -> List[Command]:
 
 
 def documented_commands() -> List[Command]:
-    pages = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").rglob("*.md") if RESULTS not in p.parents)
+    pages = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").rglob("*.md") if RESULTS not in p.parents) \
+        + sorted((ROOT / "benchmarks").rglob("*.md"))
     return [command for page in pages for command in commands_in(page, str(page.relative_to(ROOT)))]
 
 

@@ -21,7 +21,7 @@ NO_ISSUE_NUMBERS_EXCEPT = ("tests/test_docs_links.py", )
 
 
 def markdown_files():
-    return [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md")) + sorted((ROOT / "benchmarks").rglob("*.md"))
 
 
 def slug(heading):

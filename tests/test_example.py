@@ -38,7 +38,7 @@ def _run_example(tmp_path, config, override=None, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not env.get("TORCH_EXTENSIONS_DIR"):  # DeepSpeed's CPU shm op: build once, not per flag change
-        from deepspeed_acco.bench.data import default_cache_dir
+        from deepspeed_acco.bench.workload.data import default_cache_dir
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(default_cache_dir(), "torch_extensions")
     cmd = _deepspeed_launcher() + ["--num_gpus", "2", "--master_port", str(_free_port()), EXAMPLE,
                                    "--deepspeed_config", os.path.join(CONFIGS, config), "--model", "tiny",

@@ -1,4 +1,4 @@
-"""Faults on the emulated network during training (bench/faults.py, docs/faults.md): a link that
+"""Faults on the emulated network during training (bench/running/faults.py, docs/faults.md): a link that
 flaps and one that goes down for good, injected on node 1 of two emulated nodes (network
 namespaces; needs root and iproute2) while ACCO trains the tiny model. Each slow test runs one
 bench and checks several things, to keep the multi-process cost low."""
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from deepspeed_acco.bench import faults, netns
+from deepspeed_acco.bench.running import faults
+from deepspeed_acco.bench.network import netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 20

@@ -61,7 +61,7 @@ def hf_config(kind, **params):
 
 # ---- the workers -------------------------------------------------------------------------------
 def _windows(count, seed):
-    from deepspeed_acco.bench.data import WindowSampler, load_corpus
+    from deepspeed_acco.bench.workload.data import WindowSampler, load_corpus
     corpus = load_corpus()
     return WindowSampler(corpus.train, CTX, count, seed=seed).micro_batch_at(0)
 
@@ -81,7 +81,7 @@ class _Windows(torch.utils.data.Dataset):
 def _trainer(config, output_dir, *, save_steps=None, eval_steps=None, callbacks=None):
     from transformers import Trainer, TrainingArguments
 
-    from deepspeed_acco.bench.models import build_model
+    from deepspeed_acco.bench.workload.models import build_model
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=MICRO, per_device_eval_batch_size=2,
         gradient_accumulation_steps=ACCUMULATION, max_steps=MAX_STEPS, learning_rate=LR, weight_decay=0.1,
@@ -272,7 +272,7 @@ ACCELERATE_ACCUMULATION, ACCELERATE_UPDATES = 4, 4
 
 def _micro_batches(rank, identical_halves):
     """This rank's micro-batches; with ``identical_halves`` both halves of every update hold the same windows."""
-    from deepspeed_acco.bench.data import WindowSampler, load_corpus
+    from deepspeed_acco.bench.workload.data import WindowSampler, load_corpus
     sampler = WindowSampler(load_corpus().train, CTX, MICRO, seed=3, rank=rank)
     if not identical_halves:
         return [torch.from_numpy(sampler.micro_batch_at(i)) for i in range(ACCELERATE_UPDATES * ACCELERATE_ACCUMULATION)]
@@ -294,7 +294,7 @@ def _accelerate_run(accelerator, kind, batches):
     """Accelerate's documented DeepSpeed loop: prepare, accumulate, backward, optimizer.step()."""
     from accelerate.utils import DummyOptim
 
-    from deepspeed_acco.bench.models import build_model
+    from deepspeed_acco.bench.workload.models import build_model
     accelerator.state.select_deepspeed_plugin(kind)
     model = build_model("tiny", CTX, 0)
     engine, optimizer = accelerator.prepare(model, DummyOptim(model.parameters(), lr=LR, weight_decay=0.1))
@@ -315,7 +315,7 @@ def _accelerate_run(accelerator, kind, batches):
 def _managed_run(kind, batches):
     """The same micro-batches through deepspeed_acco's own loop (backward and step per micro-batch)."""
     import deepspeed_acco
-    from deepspeed_acco.bench.models import build_model
+    from deepspeed_acco.bench.workload.models import build_model
     model = build_model("tiny", CTX, 0)
     engine, *_ = deepspeed_acco.initialize(model=model, model_parameters=model.parameters(),
                                            config=_plain_config(kind))
@@ -458,7 +458,7 @@ def _launch(command, cwd):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not env.get("TORCH_EXTENSIONS_DIR"):  # DeepSpeed's CPU shm op: build once, not per run
-        from deepspeed_acco.bench.data import default_cache_dir
+        from deepspeed_acco.bench.workload.data import default_cache_dir
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(default_cache_dir(), "torch_extensions")
     result = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=300)

@@ -1,13 +1,13 @@
-"""The latency model (deepspeed_acco.bench.latency) and its command line (deepspeed_acco.bench.latency.report): fit, message counts,
-prediction. No processes, no network."""
+"""The latency model (deepspeed_acco.bench.network.latency) and its command line
+(deepspeed_acco.bench.network.latency.report): fit, message counts, prediction. No processes, no network."""
 import json
 import math
 
 import pytest
 
-from deepspeed_acco.bench import latency
-from deepspeed_acco.bench.latency import report as latency_report
-from deepspeed_acco.bench.latency import (comm_seconds, fit_alpha_beta, link_bytes, messages_per_update,
+from deepspeed_acco.bench.network import latency
+from deepspeed_acco.bench.network.latency import report as latency_report
+from deepspeed_acco.bench.network.latency import (comm_seconds, fit_alpha_beta, link_bytes, messages_per_update,
                                           predict_ms_per_update, sequential_messages)
 
 P = 3_287_552  # the bench's 3m model

@@ -10,6 +10,9 @@ included.
 - Imports go one way everywhere, inside a package too: no module reaches itself through the
   package's imports. Importing ``P.M`` from outside package ``P`` runs ``P/__init__.py`` first, so it
   counts as importing ``P`` as well.
+- The bench (``deepspeed_acco/bench``): its command line (``bench/__main__.py``) calls its parts and no
+  part imports it back; its rooms (sub-packages) import only the rooms below them, in the order of
+  :data:`BENCH_ROOMS`.
 """
 import ast
 import sys
@@ -20,6 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 RUNTIME_MAY_IMPORT = ("deepspeed_acco.runtime", "deepspeed_acco.ops")
 KERNELS_MAY_IMPORT = ("deepspeed_acco.ops", "deepspeed_acco.op_builder")
+BENCH = "deepspeed_acco.bench"
+# The bench's rooms from the ground up (docs/design.md, "Overview"): each may import the rooms before it.
+BENCH_ROOMS = ("workload", "network", "reporting", "running", "gpu_study")
 
 
 def module_name(path: Path, root: Path = ROOT.parent) -> str:
@@ -176,6 +182,41 @@ def test_imports_go_one_way():
     found = cycles(graph)
     assert not found, "import cycles (move what both sides need into a module of its own):\n" + "\n".join(
         describe_cycle(graph, group) for group in found)
+
+
+def test_no_bench_part_imports_its_command_line():
+    """``bench/__main__.py`` is the top: the parts it calls never import it (what they need of it lives
+    in a room). ``bench/__init__.py`` is the console script's door to it, not a part."""
+    graph = import_graph(all_modules())
+    top = f"{BENCH}.__main__"
+    assert f"{BENCH}.running.train" in graph[top]
+    parts = [name for name in graph if name.startswith(BENCH + ".") and name != top]
+    assert f"{BENCH}.workload.methods" in parts
+    wrong = [f"{name} line {graph[name][top]} imports {top}" for name in parts if top in graph[name]]
+    assert not wrong, "a part of the bench imports its command line:\n" + "\n".join(wrong)
+
+
+def room_of(module: str):
+    """The bench room (sub-package) ``module`` lies in, or None (``bench/__init__``, ``bench/__main__``)."""
+    rest = module[len(BENCH) + 1:].split(".") if module.startswith(BENCH + ".") else []
+    return rest[0] if len(rest) >= 1 and (ROOT / "bench" / rest[0]).is_dir() else None
+
+
+def test_bench_rooms_import_only_rooms_below():
+    rooms = sorted(path.parent.name for path in (ROOT / "bench").glob("*/__init__.py"))
+    assert sorted(BENCH_ROOMS) == rooms, f"list each room of bench/ in BENCH_ROOMS, from the ground up: {rooms}"
+    graph = import_graph(all_modules())
+    wrong = []
+    for name, edges in graph.items():
+        room = room_of(name)
+        if room is None:
+            continue
+        for target, line in sorted(edges.items()):
+            if target == BENCH or (target.startswith(BENCH + ".") and room_of(target) is None):
+                wrong.append(f"{name} line {line} imports {target} (the bench's top)")
+            elif room_of(target) not in (None, room) and BENCH_ROOMS.index(room_of(target)) > BENCH_ROOMS.index(room):
+                wrong.append(f"{name} line {line} imports {target} (room {room_of(target)} stands above {room})")
+    assert not wrong, "bench rooms import only the rooms below them (BENCH_ROOMS):\n" + "\n".join(wrong)
 
 
 def test_cycle_finder_counts_a_package_init_and_ignores_siblings(tmp_path):

@@ -1,4 +1,4 @@
-"""The link emulator of the GPU study (deepspeed_acco/bench/linkemu.py, docs/gpu_study.md).
+"""The link emulator of the GPU study (deepspeed_acco/bench/network/linkemu.py, docs/gpu_study.md).
 
 Test plan layer 1: the ring's volumes and latencies, the rate for a communication share, the spin's
 calibration math. Layer 2: the hooks, on fakes of torch.distributed and DeepSpeed and on our real
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_acco.bench import linkemu
-from deepspeed_acco.bench.linkemu import Link, LinkEmulator, fit_spin, rate_for_share
+from deepspeed_acco.bench.network import linkemu
+from deepspeed_acco.bench.network.linkemu import Link, LinkEmulator, fit_spin, rate_for_share
 from deepspeed_acco.runtime.comm import Communicator
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

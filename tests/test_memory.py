@@ -143,7 +143,7 @@ def _deepspeed(rank, world_size):
         predicted = deepspeed_zero1_formula(measured["padded_numels"], world_size, measured["model_dtype"],
                                             num_parameters=measured["num_parameters"])
         _train(engine, rank, _DTYPES[precision], 1)  # ends the update: DeepSpeed releases the gradients
-        from deepspeed_acco.bench.memory import engine_memory
+        from deepspeed_acco.bench.reporting.memory import engine_memory
         results[precision] = {"measured": measured, "predicted": predicted, "bench": engine_memory(engine)}
     return results
 
@@ -261,7 +261,7 @@ def test_formula_bytes_per_parameter_at_eight_ranks():
 
 def test_bench_memory_table():
     """The bench report's table: bytes/param by category per method, and the peak per rank."""
-    from deepspeed_acco.bench.memory import memory_table
+    from deepspeed_acco.bench.reporting.memory import memory_table
     from deepspeed_acco.runtime.memory import predicted_breakdown
     acco = predicted_breakdown("ACCO", 256 * 8, 8, "bf16")
     dpu = predicted_breakdown("DPU", 256 * 8, 8, "bf16")

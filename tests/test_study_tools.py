@@ -1,4 +1,4 @@
-"""benchmarks/acco_study.py and benchmarks/seed_table.py on the tiny preset / on small CSVs."""
+"""benchmarks/studies/acco_study.py and benchmarks/studies/seed_table.py on the tiny preset / on small CSVs."""
 import csv
 import importlib.util
 import os
@@ -10,7 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", "studies", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -110,7 +110,7 @@ def test_seed_table_gaps_per_seed_ranges_and_lone_replica(tmp_path, capsys):
 
 def test_acco_study_keeps_fp32_masters_with_bf16_gradients():
     study = _load("acco_study")
-    from deepspeed_acco.bench.data import load_corpus
+    from deepspeed_acco.bench.workload.data import load_corpus
     model = study.Model(study.parse_args(["--method", "zero1", "--bf16"] + TINY), load_corpus(None))
     assert model.flat().dtype == torch.float32
     assert all(p.dtype == torch.bfloat16 for p in model.params)
@@ -118,7 +118,7 @@ def test_acco_study_keeps_fp32_masters_with_bf16_gradients():
 
 def test_position_loss_reads_saved_vectors_and_agrees_with_the_study_evaluation(tmp_path, capsys):
     import json
-    from deepspeed_acco.bench.data import load_corpus
+    from deepspeed_acco.bench.workload.data import load_corpus
     study = _load("acco_study")
     saved = tmp_path / "zero1.pt"
     args = study.parse_args(["--method", "zero1"] + TINY + ["--save-final", str(saved)])

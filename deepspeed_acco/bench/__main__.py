@@ -23,14 +23,15 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import netns
-from .faults import check_fault_args, run_fault_bench
-from .jobs import Placement, probe_comm, run_job
-from .methods import BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant, resolve_methods
-from .models import DEFAULT_PRESET, PRESETS
-from .runs import Network, worker_args
-from .summary import finish, replot
-from .train import _sync_updates
+from .network import netns
+from .running.faults import check_fault_args, run_fault_bench
+from .network.jobs import Placement, probe_comm, run_job
+from .workload.methods import (BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant,
+                               resolve_methods)
+from .workload.models import DEFAULT_PRESET, PRESETS
+from .running.runs import Network, worker_args
+from .reporting.summary import finish, replot
+from .running.train import _sync_updates
 
 DEFAULT_UPDATES = 50
 # --bandwidth auto: ZeRO-1 communicates a third of its update, so T_comm = T_compute / 2, where ACCO
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _busy_cores(seconds: float = 1.0) -> Optional[float]:
     """Cores the machine is busy with right now (averaged over ``seconds``, from /proc/stat)."""
-    from .train import _system_cpu
+    from .running.train import _system_cpu
     a = _system_cpu()
     time.sleep(seconds)
     b = _system_cpu()
@@ -309,7 +310,7 @@ def check_args(args, methods: List[str]) -> None:
         raise SystemExit(f"--grad-accum: ACCO splits each update's micro-batches in two halves, so it must be even "
                          f"(got {args.grad_accum}) unless ACCO runs with dynamic accumulation (--slow-rank)")
     if args.slow_rank:
-        from .train import parse_slow_rank
+        from .running.train import parse_slow_rank
         try:
             r, _ = parse_slow_rank(args.slow_rank)
         except ValueError as exc:
@@ -334,7 +335,7 @@ def check_args(args, methods: List[str]) -> None:
     if args.max_updates is not None and args.max_updates < args.updates:
         raise SystemExit(f"--max-updates ({args.max_updates}) must be >= --updates ({args.updates})")
     if not hasattr(args, "precision_why"):  # --precision auto -> bf16 or fp32, once
-        from .precision import choose_precision
+        from .workload.precision import choose_precision
         args.precision_requested = args.precision
         args.precision, args.precision_why = choose_precision(args.precision)
     if args.eval_every is None:
@@ -350,8 +351,8 @@ def refused_by_engine(args, methods: List[str]) -> Dict[str, str]:
     yet), with the engine's message; checked before any job starts, with the engine's own parser."""
     from deepspeed_acco.runtime.config import parse_config
 
-    from .methods import BETA2, ds_config
-    from .train import co2_options
+    from .workload.methods import BETA2, ds_config
+    from .running.train import co2_options
     world = args.nodes * args.ranks_per_node
     out = {}
     for m in methods:
@@ -397,8 +398,8 @@ def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, m
     compute-only run and T_comm from ZeRO-1's collectives timed on the emulated network at a first
     guess of the rate (a round takes a fixed part plus the bytes the probe moves / rate:
     report.probe_round_bits, commprobe.rate_for_share)."""
-    from . import report
-    from .commprobe import rate_for_share
+    from .reporting import report
+    from .reporting.commprobe import rate_for_share
     share = args.comm_share
     if compute is None or not shaping_ok:
         print("note: --bandwidth auto needs the compute-only run and a shaped network; running unshaped", flush=True)
@@ -502,7 +503,7 @@ def parse_command(argv=None):
     methods = resolve_methods(args.methods)
     if not methods and args.no_compute_only:
         raise SystemExit("nothing to run: --methods is empty and --no-compute-only is set")
-    if args.fault:  # equal samples only, its own report (bench/faults.py)
+    if args.fault:  # equal samples only, its own report (bench/running/faults.py)
         args.target_loss = None
     check_args(args, methods)
     if args.fault:
@@ -563,8 +564,8 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out or os.path.join("bench_out", stamp))
     os.makedirs(out, exist_ok=True)
 
-    from .data import load_corpus
-    from .models import build_model, count_parameters
+    from .workload.data import load_corpus
+    from .workload.models import build_model, count_parameters
     corpus = load_corpus(args.data, cache_dir=args.cache_dir or None)  # build the cache once, before the ranks
     n_params = count_parameters(build_model(args.model, args.ctx, args.seeds[0]))
     info = machine_info()
@@ -589,7 +590,7 @@ def main(argv=None) -> int:
     if busy:
         print(busy, flush=True)
 
-    from . import report
+    from .reporting import report
     results, failed = [], []
     meta = dict(command="python -m deepspeed_acco.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
                 date_utc=stamp, machine=info, n_params=n_params, corpus=corpus.describe(), args=vars(args),

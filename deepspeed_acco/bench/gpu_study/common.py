@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from ..methods import ds_config, parse_variant
+from ..workload.methods import ds_config, parse_variant
 
 _PROCESS_START = time.perf_counter()  # before torch's import: a study's budget counts its imports
 
@@ -19,7 +19,8 @@ def add_common_arguments(parser) -> None:
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="sequences per micro-batch (default: 16 on CUDA, 2 on the CPU)")
     parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
-                        help="auto: bf16 where the device computes it natively (deepspeed_acco.bench.precision)")
+                        help="auto: bf16 where the device computes it natively "
+                             "(deepspeed_acco.bench.workload.precision)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here (rewritten as they come)")
 
 
@@ -27,8 +28,8 @@ def setup(args):
     """Pick the device, model and precision; start torch.distributed as one rank. Returns the device."""
     import torch
 
-    from ..jobs import free_port
-    from ..precision import choose_precision
+    from ..network.jobs import free_port
+    from ..workload.precision import choose_precision
     from deepspeed_acco.runtime.comm import prepare_nccl_environment
     from deepspeed_acco.runtime.initialize import init_distributed
 
@@ -72,12 +73,12 @@ def method_label(method: str) -> str:
 
 def build_engine(method: str, args, device, *, grad_accum: int, lr: float, total_updates: int, warmup: int,
                  lr_schedule: str = "decay", scheduler: dict = None, warmup_sync_updates=None, local_steps=None):
-    """The bench's model (seed 0) under ``method``'s bench config (deepspeed_acco.bench.methods.ds_config).
+    """The bench's model (seed 0) under ``method``'s bench config (deepspeed_acco.bench.workload.methods.ds_config).
 
     DeepSpeed's ZeRO-1 runs torch's AdamW (``torch_adam``): its FusedAdam would be one more CUDA
     build on the GPU machine, and at 125M its optimizer step is a small part of an update."""
     import deepspeed_acco
-    from ..models import build_model
+    from ..workload.models import build_model
 
     config = ds_config(method, world_size=1, micro_batch=args.micro_batch, grad_accum=grad_accum, lr=lr,
                        total_updates=total_updates, warmup=warmup, bf16=args.precision == "bf16", torch_adam=True,

@@ -3,7 +3,7 @@
 
 One process (world size 1: ACCO's rule is the same there, two half batches, the Peek estimate and
 the commit) trains the bench's GPT-Neo (125M on CUDA) on real text (the Python standard library's
-sources, deepspeed_acco.bench.data, or ``--data``) with ShardedAdamW (ZeRO-1's math) and ACCO at its
+sources, deepspeed_acco.bench.workload.data, or ``--data``) with ShardedAdamW (ZeRO-1's math) and ACCO at its
 defaults, then CO2 at its defaults if time allows, from the same initial weights on the same
 micro-batches in the same order. The schedule follows the ACCO paper's 125M runs scaled to the time
 there is: AdamW with lr 6e-4, betas (0.9, 0.95), weight decay 0.1, gradient clipping 1.0, a linear
@@ -25,7 +25,7 @@ import argparse
 import sys
 import time
 
-from ..methods import MIN_LR_FRACTION
+from ..workload.methods import MIN_LR_FRACTION
 from .common import (Clock, add_common_arguments, build_engine, describe_device, kernel_backend, method_label,
                      release, setup, synchronize, write_json)
 
@@ -94,7 +94,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval-points", type=int, default=20)
     parser.add_argument("--val-windows", type=int, default=64, help="held-out windows of --ctx tokens")
     parser.add_argument("--seed", type=int, default=0, help="data order (the initial weights are the bench's seed 0)")
-    parser.add_argument("--data", default=None, help="corpus (deepspeed_acco.bench.data.load_corpus; default: stdlib)")
+    parser.add_argument("--data", default=None,
+                        help="corpus (deepspeed_acco.bench.workload.data.load_corpus; default: stdlib)")
     parser.add_argument("--cache-dir", default="default", help="token cache folder ('' for none)")
     args = parser.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -214,8 +215,8 @@ def markdown(payload: dict) -> str:
 def run(args) -> dict:
     import torch
 
-    from ..data import WindowSampler, load_corpus, validation_windows
-    from ..models import build_model, count_parameters
+    from ..workload.data import WindowSampler, load_corpus, validation_windows
+    from ..workload.models import build_model, count_parameters
     clock = Clock()
 
     def log(text):

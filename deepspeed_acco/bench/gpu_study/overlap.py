@@ -3,7 +3,7 @@
 One process (world size 1) trains the bench's GPT-Neo (125M on CUDA, in bf16 where the device has
 it) on random byte tokens already on the device, with DeepSpeed's ZeRO-1 and our ShardedAdamW, DPU,
 ACCO and CO2, every collective delayed by its time on an emulated ring of W ranks
-(deepspeed_acco.bench.linkemu). It measures, in this order:
+(deepspeed_acco.bench.network.linkemu). It measures, in this order:
 
 1. the forward + backward floor T_compute: the update's micro-batches, no optimizer, no collective;
 2. per method, its update time t_0 with no link (the emulator counts the traffic, delays nothing);
@@ -45,16 +45,16 @@ BASELINE = "zero1"
 def rounds_per_update(method: str, local_steps: int) -> float:
     """Communication rounds (reduce-scatter + update + all-gather) per update: ACCO 2 (estimate and
     commit), CO2 one per ``local_steps`` inner steps, the others 1."""
-    from ..methods import METHODS
+    from ..workload.methods import METHODS
     if method == "co2":
         return 1.0 / local_steps
     return METHODS[method].comm_jobs
 
 
 def bound_ms(method: str, floor_ms: float, link_ms: float, local_steps: int) -> float:
-    """The method's bound per update (docs/design.md; deepspeed_acco.bench.report.bound_seconds), with
+    """The method's bound per update (docs/design.md; deepspeed_acco.bench.reporting.report.bound_seconds), with
     T_compute the floor and T_comm the link time of one round."""
-    from ..report import bound_seconds
+    from ..reporting.report import bound_seconds
     round_ms = link_ms / rounds_per_update(method, local_steps)
     return bound_seconds(method, floor_ms, round_ms, local_steps=local_steps)
 
@@ -169,7 +169,7 @@ def time_windows(run_updates, device, args, emulator=None) -> list:
             record = records[index].as_dict()
             if record["unmodelled"]:
                 raise RuntimeError(f"the timed updates issued collectives the link emulator does not model: "
-                                   f"{record['unmodelled']} (deepspeed_acco/bench/linkemu.py)")
+                                   f"{record['unmodelled']} (deepspeed_acco/bench/network/linkemu.py)")
             window["link_ms"] = 1e3 * record["measured_s"] / args.updates
         windows.append(window)
     return windows
@@ -204,7 +204,7 @@ def floor_ms(args, device, tokens) -> dict:
     """Forward + backward of one update's micro-batches on the bench's model, nothing else."""
     import torch
 
-    from ..models import build_model
+    from ..workload.models import build_model
     model = build_model(args.model, args.ctx, seed=0).to(device)
     if args.precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -226,7 +226,7 @@ def calibrate(device, log) -> dict:
     """The spin's clock, checked on three delays and for running beside another stream (linkemu).
 
     A check that fails gets one more calibration before the study stops."""
-    from .. import linkemu
+    from ..network import linkemu
     for attempt in (1, 2):
         calibration = linkemu.calibrate_spin(device)
         try:
@@ -243,7 +243,7 @@ def calibrate(device, log) -> dict:
 def measure_method(method: str, args, device, tokens, emulator, links_for, log, trace=False) -> dict:
     """t_0 (no link), then one point per link of ``links_for(result with t_0)`` (the baseline's links
     come from its own t_0 and traffic)."""
-    from ..linkemu import Link
+    from ..network.linkemu import Link
     engine, _ = build_engine(method, args, device, grad_accum=args.grad_accum, lr=1e-4, total_updates=10**6,
                              warmup=2, lr_schedule="constant", warmup_sync_updates=0, local_steps=args.local_steps)
     trainer = Trainer(engine, tokens)
@@ -338,8 +338,8 @@ def markdown(payload: dict) -> str:
 def run(args) -> dict:
     import torch
 
-    from ..linkemu import Link, LinkEmulator, rate_for_share
-    from ..models import build_model, count_parameters
+    from ..network.linkemu import Link, LinkEmulator, rate_for_share
+    from ..workload.models import build_model, count_parameters
     clock = Clock()
 
     def log(text):

@@ -1,6 +1,6 @@
 """How fast the bench model computes in bf16 against fp32 on this machine.
 
-``python -m deepspeed_acco.bench.precision`` times one training micro-batch (forward + backward)
+``python -m deepspeed_acco.bench.workload.precision`` times one training micro-batch (forward + backward)
 of the bench's GPT-Neo preset with the model held in fp32 and in bf16 (what DeepSpeed's ``bf16``
 section does: the module is cast to bf16, the optimizer keeps fp32 masters), one torch thread by
 default like each bench rank. The two precisions alternate round by round so that a change in

@@ -3,12 +3,12 @@
 A byte-level model with a long context can lower its loss late in a window by copying from
 earlier in the same window (names, indentation, repeated code), which a short context cannot do.
 This tool asks whether the long-run gaps between methods (docs/studies/acco_convergence.md) sit in that
-part of the loss: for each saved vector (``benchmarks/acco_study.py --save-final``) it prints the
+part of the loss: for each saved vector (``benchmarks/studies/acco_study.py --save-final``) it prints the
 mean next-byte cross-entropy over ``--windows`` held-out windows of the bench's corpus, overall
 and per band of target positions, and the paired difference of every vector from the first one
 with a standard error over windows.
 
-    python benchmarks/position_loss.py --ctx 256 zero1=z.pt acco=a.pt --windows 1000 --out pos.json
+    python benchmarks/studies/position_loss.py --ctx 256 zero1=z.pt acco=a.pt --windows 1000 --out pos.json
 """
 import argparse
 import json
@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from co2_study import copy_into  # noqa: E402
@@ -70,8 +70,8 @@ def mean_and_se(values):
 def main(argv=None):
     args = parse_args(argv)
     import torch
-    from deepspeed_acco.bench.data import load_corpus, validation_windows
-    from deepspeed_acco.bench.models import build_model
+    from deepspeed_acco.bench.workload.data import load_corpus, validation_windows
+    from deepspeed_acco.bench.workload.models import build_model
     torch.set_num_threads(args.threads)
     corpus = load_corpus(None)
     windows = validation_windows(corpus.val, args.ctx, args.windows)

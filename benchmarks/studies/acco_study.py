@@ -20,14 +20,14 @@ split into the first half A_t and the second half B_t:
 Prints the validation loss at ``--eval-points`` updates and, per update, the distance of the
 estimate from the parameters it estimates (``acco``). Writes one JSON file (``--out``).
 
-    python benchmarks/acco_study.py --method acco --ctx 64 --updates 720 --out acco.json
+    python benchmarks/studies/acco_study.py --method acco --ctx 64 --updates 720 --out acco.json
 """
 import argparse
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from co2_study import CLIP_EPSILON, Evaluator, copy_into, run_and_write  # noqa: E402
@@ -57,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="")
     p.add_argument("--save-final", default="",
-                   help="also write the final fp32 parameter vector here (torch.save), for benchmarks/position_loss.py")
+                   help="also write the final fp32 parameter vector here (torch.save), "
+                        "for benchmarks/studies/position_loss.py")
     p.add_argument("--probe-every", type=int, default=0,
                    help="acco: every N updates also compute the first half's gradient at the committed "
                         "parameters (same micro-batches) and record how far the estimate moves it, against the "
@@ -103,8 +104,8 @@ class Model:
 
     def __init__(self, args, corpus):
         import torch
-        from deepspeed_acco.bench.data import WindowSampler
-        from deepspeed_acco.bench.models import build_model
+        from deepspeed_acco.bench.workload.data import WindowSampler
+        from deepspeed_acco.bench.workload.models import build_model
         self.torch = torch
         self.args = args
         self.model = build_model(args.model, args.ctx, args.seed)
@@ -152,8 +153,8 @@ def clipped_mean(args, total, count):
 
 def run(args):
     import torch
-    from deepspeed_acco.bench.data import load_corpus
-    from deepspeed_acco.bench.methods import warmup_decay_lr
+    from deepspeed_acco.bench.workload.data import load_corpus
+    from deepspeed_acco.bench.workload.methods import warmup_decay_lr
 
     torch.set_num_threads(args.threads)
     corpus = load_corpus(None)

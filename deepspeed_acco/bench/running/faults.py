@@ -1,7 +1,7 @@
 """Faults injected on the emulated network during training (``python -m deepspeed_acco.bench --fault``).
 
-A fault hits node 1 of a :class:`~.netns.Cluster` when rank 0 has committed update U (rank 0's
-``rank0.jsonl`` progress log has its row U; :class:`FaultInjector` watches it):
+A fault hits node 1 of a :class:`~deepspeed_acco.bench.network.netns.Cluster` when rank 0 has committed update U
+(rank 0's ``rank0.jsonl`` progress log has its row U; :class:`FaultInjector` watches it):
 
 - ``link-down@U``: node 1's NIC (its end of the veth into the switch) goes down and stays down.
   Nothing is reset: the TCP connections between the nodes simply stop carrying packets, as when a
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from . import netns
+from ..network import netns
 from .runs import Network, worker_args
 
 KINDS = ("link-down", "flap", "node-kill")
@@ -125,7 +125,7 @@ def _processes(marker: str) -> Dict[int, Optional[int]]:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     continue
             rank = None
-            if "deepspeed_acco.bench.train" in cmd and "deepspeed.launcher" not in cmd \
+            if "deepspeed_acco.bench.running.train" in cmd and "deepspeed.launcher" not in cmd \
                     and "torch.distributed.run" not in cmd:
                 with open(f"/proc/{name}/environ", "rb") as f:
                     env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
@@ -281,7 +281,7 @@ def wait_for_no_processes(run_dir: str, seconds: float = 10.0) -> None:
 def check_fault_args(args, methods: List[str]) -> Fault:
     """Refuse what a fault run cannot do (SystemExit naming the flag and the fix); whether this machine can
     emulate nodes at all is the bench's check (``__main__.require_network``)."""
-    from .methods import parse_variant
+    from ..workload.methods import parse_variant
     try:
         fault = parse_fault(args.fault)
     except ValueError as exc:
@@ -310,7 +310,7 @@ def check_fault_args(args, methods: List[str]) -> Fault:
 def recovery_accumulation(args, fault: Fault, methods: List[str]) -> int:
     """With ``--recover``: the gradient accumulation that keeps the global batch on the nodes left
     (SystemExit naming the flag and the fix where it cannot)."""
-    from .methods import parse_variant
+    from ..workload.methods import parse_variant
     if fault.kind != "node-kill":
         raise SystemExit(f"--recover relaunches after a lost node: use it with --fault node-kill@U (got {fault.spec()})")
     co2 = [m for m in methods if parse_variant(m).method.name == "co2"]
@@ -418,7 +418,7 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
     global batch: ``accumulation`` micro-batches per rank, :func:`recovery_accumulation`) up to
     ``--updates``; compare with the undisturbed run."""
     import copy
-    from .jobs import run_job
+    from ..network.jobs import run_job
     save_dir = os.path.join(run_dir, "checkpoints")
     record = checkpoint_record(save_dir)
     left_args = copy.copy(args)
@@ -457,8 +457,8 @@ def recover(args, method: str, label: str, run_dir: str, ref_dir: str, base: str
 
 def run_fault_bench(args, methods: List[str], out: str, command: str, machine: dict) -> int:
     """Run every method with ``args.fault`` on a fresh emulated cluster each; write faults.json/.md in ``out``."""
-    from .jobs import run_job
-    from .methods import parse_variant
+    from ..network.jobs import run_job
+    from ..workload.methods import parse_variant
     fault = check_fault_args(args, methods)
     bps = netns.parse_bandwidth("100mbit" if args.bandwidth == "auto" else args.bandwidth)
     timeout_s = args.communication_timeout_s

@@ -7,9 +7,9 @@ import os
 import sys
 from typing import List, Optional
 
-from . import netns
+from ..network import netns
 from .breakdown import breakdown_lines
-from .methods import BASELINE, co2_overlap_steps, parse_variant, resolve_methods
+from ..workload.methods import BASELINE, co2_overlap_steps, parse_variant, resolve_methods
 
 
 def normalize_args(args):

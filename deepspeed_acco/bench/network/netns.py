@@ -30,7 +30,7 @@ deletes them. Everything is deleted on exit (also on Ctrl-C / SIGTERM, via the c
 ``finally``: :func:`cleanup_all`); :func:`remove_orphans` removes what a bench killed with SIGKILL
 left behind, processes included.
 
-``python -m deepspeed_acco.bench.netns measure`` / ``transfer`` are the transfer tests themselves
+``python -m deepspeed_acco.bench.network.netns measure`` / ``transfer`` are the transfer tests themselves
 (run inside the namespaces by :func:`measure_rate` and :func:`measure_cluster`).
 """
 import itertools
@@ -348,7 +348,7 @@ def remove_orphans() -> List[str]:
 
 def measure_rate(ns: Optional[Namespace], seconds: float = 1.0, env=None) -> float:
     """Bits/s of a bulk TCP transfer over the loopback inside ``ns`` (one direction, all of the link)."""
-    cmd = [sys.executable, "-m", "deepspeed_acco.bench.netns", "measure", "--seconds", str(seconds)]
+    cmd = [sys.executable, "-m", "deepspeed_acco.bench.network.netns", "measure", "--seconds", str(seconds)]
     if ns is not None:
         cmd = ns.prefix() + cmd
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -365,7 +365,7 @@ def measure_cluster(cluster: Cluster, seconds: float = 1.0, env=None) -> Dict[st
     def transfers(plan):
         procs = []
         for k, listen, send_to in plan:
-            cmd = cluster.node_prefix(k) + [sys.executable, "-m", "deepspeed_acco.bench.netns", "transfer",
+            cmd = cluster.node_prefix(k) + [sys.executable, "-m", "deepspeed_acco.bench.network.netns", "transfer",
                                             "--seconds", str(seconds)]
             if listen:
                 cmd += ["--listen", f"{cluster.node_address(k)}:{TRANSFER_PORT}"]

@@ -19,7 +19,7 @@ needs a lower preconditioned sharpness: a larger v (smaller steps) or flatter re
 (docs/studies/dpu_convergence.md). For ACCO the estimate's error e = x~ - x obeys e' = -(1 - beta1) lr h / 2 e,
 so its eigenvalues are the synchronous ones and that factor: its edge is min(sync, 2 / (1 - beta1)).
 
-    python benchmarks/delay_stability.py
+    python benchmarks/studies/delay_stability.py
 """
 import argparse
 

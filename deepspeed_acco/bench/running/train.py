@@ -1,6 +1,6 @@
 """Per-rank training worker of the bench, started by the ``deepspeed`` launcher (or torchrun).
 
-``python -m deepspeed_acco.bench.train --method acco --run-dir DIR ...`` on every rank. It
+``python -m deepspeed_acco.bench.running.train --method acco --run-dir DIR ...`` on every rank. It
 
 1. loads the (cached) corpus and builds the GPT-Neo preset from a seeded config;
 2. for a DeepSpeed method (with its modifiers, e.g. ``acco+bf16comm``), calls
@@ -60,8 +60,8 @@ def _sync_updates(text: str):
 
 
 def parse_args(argv=None):
-    from .methods import LR_SCHEDULES, parse_variant
-    from .models import DEFAULT_PRESET, PRESETS
+    from ..workload.methods import LR_SCHEDULES, parse_variant
+    from ..workload.models import DEFAULT_PRESET, PRESETS
 
     def method(text):
         if text == "compute":
@@ -147,7 +147,7 @@ class _ComputeOnly:
 
     def __init__(self, model, args, world_size):
         import torch
-        from .methods import BETA2, warmup_decay_lr
+        from ..workload.methods import BETA2, warmup_decay_lr
         self.args, self.torch = args, torch
         self.bf16 = args.precision == "bf16"
         if self.bf16:
@@ -210,7 +210,7 @@ def co2_options(args) -> dict:
 
 def _system_cpu():
     """``(busy, steal)`` CPU seconds of the whole machine so far (all cores, from /proc/stat), or None."""
-    from .netns import BUSY_KINDS, cpu_times
+    from ..network.netns import BUSY_KINDS, cpu_times
     times = cpu_times()
     if times is None:
         return None
@@ -231,7 +231,7 @@ def _update_backend(engine, device) -> Optional[str]:
     """The update kernels our engine dispatches to on ``device`` (``cpu``/``cuda``: the fused kernels,
     ``torch``: the reference); None for DeepSpeed's engine and the compute-only loop."""
     from deepspeed_acco import ops
-    from .breakdown import engine_kind
+    from ..reporting.breakdown import engine_kind
     if engine_kind(engine) != "ours":
         return None
     return ops.backend(device)
@@ -303,10 +303,10 @@ def run(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .breakdown import TRACE_UPDATES, LoopClock, engine_kind, job_summary_ms, per_update_ms
-    from .data import WindowSampler, load_corpus, validation_windows
-    from .methods import BETA2, ds_config
-    from .models import build_model, count_parameters
+    from ..reporting.breakdown import TRACE_UPDATES, LoopClock, engine_kind, job_summary_ms, per_update_ms
+    from ..workload.data import WindowSampler, load_corpus, validation_windows
+    from ..workload.methods import BETA2, ds_config
+    from ..workload.models import build_model, count_parameters
 
     t_proc = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -340,7 +340,7 @@ def run(args) -> dict:
                         warmup_sync_updates=args.warmup_sync_updates, co2_options=co2_options(args),
                         sync_after_updates=args.sync_after_updates,
                         lr_schedule=args.lr_schedule)
-        if args.communication_timeout_s is not None:  # fault runs (bench/faults.py) use a short one
+        if args.communication_timeout_s is not None:  # fault runs (bench/running/faults.py) use a short one
             cfg["optimizer"]["params"]["communication_timeout_s"] = args.communication_timeout_s
         if rank == 0:
             with open(os.path.join(args.run_dir, "ds_config.json"), "w") as f:
@@ -519,7 +519,7 @@ def run(args) -> dict:
                    job_ms=job_summary_ms(jobs_at_updates or {}),
                    warmup_sync_updates=getattr(getattr(engine, "schedule", None), "warmup_sync_updates", None),
                    regime=_regime_record(engine), update_backend=_update_backend(engine, device))
-    from .memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
+    from ..reporting.memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
     summary["memory"] = engine_memory(engine)
     with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -548,7 +548,7 @@ def _write_trace(args, clock) -> None:
 
 
 def _write_failure(run_dir: str, exc: BaseException) -> None:
-    """Record when and why this rank failed during training (bench/faults.py reads it): the wall
+    """Record when and why this rank failed during training (bench/running/faults.py reads it): the wall
     time, then the error's first line and its traceback."""
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(run_dir, f"failure_rank{rank}.txt"), "w") as f:

@@ -1,6 +1,6 @@
 """Time the collectives of one update round, with the job's backend, over the (shaped) link.
 
-``torchrun --nproc_per_node W -m deepspeed_acco.bench.commprobe --numel P --out FILE`` on every
+``torchrun --nproc_per_node W -m deepspeed_acco.bench.reporting.commprobe --numel P --out FILE`` on every
 rank: times ``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of ``P`` fp32
 values (the model), and a reduce-scatter followed by an all-gather: the communication round of a
 ZeRO-1-style optimizer, once with torch's collectives and once as our engine's communicator runs
@@ -18,7 +18,8 @@ With ``--sizes N1,N2,...`` (element counts) it also times, for each size, torch'
 of isend/irecv) and ``all_gather``, and its ``all_to_all`` of the same 4 N bytes split as the int8
 reduce-scatter splits its send buffer (nothing to itself, an equal slice to every other rank), and
 writes them under ``"sizes"``: one entry per size, ``{numel, bytes, <collective>_s, ...}``, from
-which :mod:`.latency` fits a per-message and a per-byte cost for each collective.
+which :mod:`deepspeed_acco.bench.network.latency` fits a per-message and a per-byte cost for each
+collective.
 """
 import argparse
 import json
@@ -61,10 +62,10 @@ def parse_sizes(text: str) -> List[int]:
 
 
 def time_size(numel: int, comm, timed, world: int, rank: int, device) -> dict:
-    """Time every collective :mod:`.latency` models at ``numel`` fp32 values (rounded down to a multiple
-    of the world size, at least one value per rank). ``bytes`` is the size of the full fp32 vector;
-    each rank sends (W - 1) / W of it in a reduce-scatter, an all-gather or the all-to-all, twice that
-    in an all-reduce."""
+    """Time every collective :mod:`deepspeed_acco.bench.network.latency` models at ``numel`` fp32 values
+    (rounded down to a multiple of the world size, at least one value per rank). ``bytes`` is the size
+    of the full fp32 vector; each rank sends (W - 1) / W of it in a reduce-scatter, an all-gather or
+    the all-to-all, twice that in an all-reduce."""
     import torch
     import torch.distributed as dist
     n = max(world, numel - numel % world)

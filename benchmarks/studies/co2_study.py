@@ -35,8 +35,8 @@ the replicas' spread, and the mean train loss; at ``--eval-points`` updates the 
 of the committed parameters (CO2: the newest anchor, as ``engine.committed_parameters()`` gives
 it), of the replicas' average ybar and of replica 0. Writes one JSON file (``--out``).
 
-    python benchmarks/co2_study.py --method outer --delay 1 --updates 240 --out co2.json
-    python benchmarks/co2_study.py --method zero1 --updates 240 --out zero1.json
+    python benchmarks/studies/co2_study.py --method outer --delay 1 --updates 240 --out co2.json
+    python benchmarks/studies/co2_study.py --method zero1 --updates 240 --out zero1.json
 """
 import argparse
 import json
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 # torch.nn.utils.clip_grad_norm_ and the engine add this to the norm before dividing.
 CLIP_EPSILON = 1e-6
@@ -124,8 +124,8 @@ class Replica:
 
     def __init__(self, args, ranks, corpus, initial_state):
         import torch
-        from deepspeed_acco.bench.data import WindowSampler
-        from deepspeed_acco.bench.models import build_model
+        from deepspeed_acco.bench.workload.data import WindowSampler
+        from deepspeed_acco.bench.workload.models import build_model
         self.torch = torch
         self.args = args
         self.model = build_model(args.model, args.ctx, args.seed)
@@ -177,8 +177,8 @@ class Replica:
 
 class Evaluator:
     def __init__(self, args, corpus):
-        from deepspeed_acco.bench.data import validation_windows
-        from deepspeed_acco.bench.models import build_model
+        from deepspeed_acco.bench.workload.data import validation_windows
+        from deepspeed_acco.bench.workload.models import build_model
         import torch
         self.torch = torch
         self.model = build_model(args.model, args.ctx, args.seed)
@@ -187,7 +187,7 @@ class Evaluator:
         self.batch_size = max(1, 2 * args.micro_batch)
 
     def __call__(self, vector, windows: Optional[int] = None) -> float:
-        from deepspeed_acco.bench.train import evaluate
+        from deepspeed_acco.bench.running.train import evaluate
         copy_into(vector, self.params)
         data = self.windows if windows is None else self.windows[:: max(1, len(self.windows) // windows)][:windows]
         return evaluate(self.model, data, self.batch_size)
@@ -220,9 +220,9 @@ def norm(t) -> float:
 
 def run(args) -> Dict:
     import torch
-    from deepspeed_acco.bench.data import load_corpus
-    from deepspeed_acco.bench.methods import warmup_decay_lr
-    from deepspeed_acco.bench.models import build_model
+    from deepspeed_acco.bench.workload.data import load_corpus
+    from deepspeed_acco.bench.workload.methods import warmup_decay_lr
+    from deepspeed_acco.bench.workload.models import build_model
 
     torch.set_num_threads(args.threads)
     corpus = load_corpus(None)

@@ -6,7 +6,7 @@ host's loopback, in one shaped namespace (``--nodes 1``), or on the nodes of a
 
 - ``--launcher deepspeed`` on a cluster: DeepSpeed's multi-node launch without ssh, what a user
   types on each machine: ``deepspeed --hostfile HOSTFILE --no_ssh --node_rank K --master_addr
-  <node 0> --master_port P --module deepspeed_acco.bench.train ...``, with a hostfile listing every
+  <node 0> --master_port P --module deepspeed_acco.bench.running.train ...``, with a hostfile listing every
   node with ``slots=R``; node k then runs global ranks k R .. k R + R - 1.
 - ``--launcher torchrun`` on a cluster: torchrun's c10d rendezvous, ``torchrun --nnodes N
   --nproc_per_node R --rdzv_backend c10d --rdzv_endpoint <node 0>:P --rdzv_id JOB --local_addr
@@ -85,7 +85,7 @@ def child_env(threads: int) -> dict:
     # DeepSpeed JIT-builds a small shared-memory op in every initialize on CPU. A private build folder
     # keeps other DeepSpeed users of this machine (with other compiler flags) from forcing rebuilds.
     if not env.get("TORCH_EXTENSIONS_DIR"):
-        from .data import default_cache_dir
+        from ..workload.data import default_cache_dir
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(default_cache_dir(), "torch_extensions")
     return env
 
@@ -217,13 +217,13 @@ def first_error(run_dir: str) -> Optional[str]:
 
 def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run_dir: str, desc: str, *,
             threads: int, timeout_s: float, progress_total: int, show_progress: bool,
-            module: str = "deepspeed_acco.bench.train", fault=None) -> bool:
+            module: str = "deepspeed_acco.bench.running.train", fault=None) -> bool:
     """Run one bench job on ``placement``; True on success. Shows progress from rank 0's log.
 
     Every node's launcher runs in its own session; when one fails the others get 20 s to notice
     (their ranks' collectives fail) before they are ended too. ``fault``: a
-    :class:`~.faults.FaultInjector`, started with the job; once its fault has hit, the launchers are
-    left to exit by themselves until its ``deadline()``, and ended (``fault_overdue`` in job.json)
+    :class:`~deepspeed_acco.bench.running.faults.FaultInjector`, started with the job; once its fault has hit,
+    the launchers are left to exit by themselves until its ``deadline()``, and ended (``fault_overdue`` in job.json)
     only after it."""
     os.makedirs(run_dir, exist_ok=True)
     commands = node_commands(placement, launcher, module, module_args, run_dir, threads,
@@ -296,7 +296,7 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
                        **({} if fault is None else dict(fault=fault.record(), fault_overdue=overdue))), f, indent=1)
     ok = len(procs) == len(commands) and all(c == 0 for c in codes) \
         and os.path.exists(os.path.join(run_dir, "rank0.summary.json"))
-    if not ok and fault is not None and fault.fault_at is not None:  # expected: bench/faults.py reports it
+    if not ok and fault is not None and fault.fault_at is not None:  # expected: bench/running/faults.py reports it
         print(f"{desc:<28} ended after the fault (exit codes {codes}; logs in {run_dir})", flush=True)
     elif not ok:
         reason = first_error(run_dir)
@@ -317,11 +317,12 @@ def run_job(placement: Placement, launcher: str, module_args: Sequence[str], run
 
 def probe_comm(placement: Placement, n_params: int, out_path: str, threads: int,
                param_dtype: str = "fp32", extra_args: Sequence[str] = (), timeout_s: float = 300.0) -> Optional[dict]:
-    """Run :mod:`.commprobe` as a job on ``placement`` (torchrun); None (with a note) if it fails.
+    """Run :mod:`deepspeed_acco.bench.reporting.commprobe` as a job on ``placement`` (torchrun); None (with a
+    note) if it fails.
     ``extra_args``: more of commprobe's flags (``--sizes``, ``--repeats``)."""
     run_dir = os.path.dirname(out_path)
     args = ["--numel", str(n_params), "--out", out_path, "--param-dtype", param_dtype, *extra_args]
-    commands = node_commands(placement, "torchrun", "deepspeed_acco.bench.commprobe", args, run_dir, threads,
+    commands = node_commands(placement, "torchrun", "deepspeed_acco.bench.reporting.commprobe", args, run_dir, threads,
                              port=PROBE_PORT if placement.private_network else None, job_id=f"probe{os.getpid()}")
     log_path = out_path + ".log"
     procs = []

@@ -1,8 +1,8 @@
 """A latency model of each method's communication, on paper, from measurements.
 
-The emulated links (:mod:`deepspeed_acco.bench.netns`) are shaped for bandwidth only: this kernel has no ``netem``, so
-packet delay cannot be emulated. This module predicts what latency would do instead, with the
-alpha-beta model of a collective::
+The emulated links (:mod:`deepspeed_acco.bench.network.netns`) are shaped for bandwidth only: this kernel
+has no ``netem``, so packet delay cannot be emulated. This module predicts what latency would do
+instead, with the alpha-beta model of a collective::
 
     T(collective) = sequential messages x alpha + bytes through the busiest link x beta
 
@@ -26,11 +26,11 @@ Assumptions of the prediction (they are what "one one-way latency per step" need
   (:func:`gloo_all_reduce_window_ok` says when).
 
 "Bytes through the busiest link" counts one direction of one node's link with one rank per node,
-as :func:`deepspeed_acco.bench.report.comm_round_seconds` does for ``nodes >= 2``: a reduce-scatter, an all-gather or an
-all-to-all of an ``N``-byte vector sends (W - 1) / W x N bytes out of every node, an all-reduce
-twice that.
+as :func:`deepspeed_acco.bench.reporting.report.comm_round_seconds` does for ``nodes >= 2``: a
+reduce-scatter, an all-gather or an all-to-all of an ``N``-byte vector sends (W - 1) / W x N bytes
+out of every node, an all-reduce twice that.
 
-``python -m deepspeed_acco.bench.latency --probe PROBE.json --report BENCH_OUT [--latencies 0.1,2,20]``
+``python -m deepspeed_acco.bench.network.latency --probe PROBE.json --report BENCH_OUT [--latencies 0.1,2,20]``
 prints the fits and, for the methods of a bench report, the table of predicted ms/update; the
 command line and the markdown are :mod:`.report` (this package's ``__main__`` runs it).
 """
@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..methods import parse_variant
+from ...workload.methods import parse_variant
 
 # ----------------------------------------------------------------------------------------------
 # The collectives: how many sequential messages one call sends, and how many bytes cross a link
@@ -149,8 +149,9 @@ def fit_alpha_beta(points: Sequence[Tuple[float, float]], messages: int, *, rela
 
 
 def shaper_bucket_bytes(probe: dict) -> Optional[int]:
-    """The token bucket (bytes) of the tbf that shaped the probe's link, as :func:`deepspeed_acco.bench.netns.tbf_args`
-    sets it for the link's nominal rate; None when the probe does not say what link it ran on."""
+    """The token bucket (bytes) of the tbf that shaped the probe's link, as
+    :func:`deepspeed_acco.bench.network.netns.tbf_args` sets it for the link's nominal rate; None when the probe
+    does not say what link it ran on."""
     bps = (probe.get("link") or {}).get("nominal_bps")
     if not bps:
         return None
@@ -176,7 +177,7 @@ def probe_points(probe: dict, collective: str, bucket_bytes: Optional[int] = Non
     """
     sizes = probe.get("sizes")
     if not sizes:
-        raise ValueError("the probe JSON has no \"sizes\": run python -m deepspeed_acco.bench.commprobe with "
+        raise ValueError("the probe JSON has no \"sizes\": run python -m deepspeed_acco.bench.reporting.commprobe with "
                          "--sizes N1,N2,... (element counts) to time the collectives at several sizes")
     world = int(probe["world_size"])
     key = PROBE_KEYS[collective]

@@ -4,7 +4,7 @@ Model: along one eigen-direction of a quadratic with minimiser x*, a round of lo
 started at s ends, on average over replicas, at ybar = x* + (1 - r)(s - x*): the round removes a
 fraction r of the error (r ~ 1 for directions one round of local AdamW resolves, r << 1 for slow
 ones). With e = x - x*, the pseudo-gradient is d = r e(start), and the outer rules of
-benchmarks/co2_study.py become linear recurrences with a = alpha * r / lambda:
+benchmarks/studies/co2_study.py become linear recurrences with a = alpha * r / lambda:
 
   synchronous heavy ball   e_{k+1} = e_k - alpha m_{k+1},      m_{k+1} = beta m_k + (r/lambda) e_k
       z^2 - (1 + beta - a) z + beta = 0                      stable iff 0 < a < 2 (1 + beta)
@@ -14,7 +14,7 @@ benchmarks/co2_study.py become linear recurrences with a = alpha * r / lambda:
       z^2 - (1 + beta) z + (beta + a) = 0                    stable iff 0 < a < 1 - beta
   delayed Nesterov         e_{k+2} = e_{k+1} - alpha (g_k + beta m_{k+1})
       z^3 - (1 + beta) z^2 + (beta + a + a beta) z - a beta = 0
-  eager with own share w (benchmarks/co2_study.py --eager --eager-weight w): the replicas
+  eager with own share w (benchmarks/studies/co2_study.py --eager --eager-weight w): the replicas
       restart from s_{k+1} = X_k - alpha dir(beta m_k + w d_k) while the average moves the
       committed (X, m) one round later; w = 1 with identical replicas is the synchronous
       recurrence, w = 0 the delayed one, w = 1/W the Eager Updates paper's rule.
@@ -29,7 +29,7 @@ and lambda = 1 (the factor by which a resolved direction's error grows or shrink
 and the oscillation period of the dominant root. Then iterates the adaptive gap penalty
 (a nonlinear feedback) on a one-dimensional quadratic, noise-free and with replica noise.
 
-    python benchmarks/co2_stability.py
+    python benchmarks/studies/co2_stability.py
 """
 import argparse
 import cmath

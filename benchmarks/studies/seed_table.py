@@ -6,7 +6,7 @@ here: per method, the mean [min, max] over seeds at every evaluation, the relati
 baseline *of the same seed* at the chosen updates, whether the loss decreased at every evaluation,
 and at how many evaluations it was above the lone replica (the compute-only run) of the same seed.
 
-    python benchmarks/seed_table.py docs/results/conv720 docs/results/conv720_seed1 --gaps 300,720
+    python benchmarks/studies/seed_table.py docs/results/conv720 docs/results/conv720_seed1 --gaps 300,720
 
 A folder written ``FOLDER@TAG`` holds runs of a variant (made with a flag the method's name does
 not show, such as ``--local-steps 4``): its methods other than the baselines (``--baseline`` and

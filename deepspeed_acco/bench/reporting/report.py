@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .methods import BASELINE, co2_overlap_steps, METHODS, parse_variant
+from ..workload.methods import BASELINE, co2_overlap_steps, METHODS, parse_variant
 
 
 @dataclass
@@ -570,7 +570,7 @@ def _style(method: str):
     """Colour by method; solid without modifiers, else a line style per set of modifiers."""
     if method == "compute":
         return _COLORS["compute"], ":"
-    from .methods import MODIFIERS
+    from ..workload.methods import MODIFIERS
     variant = parse_variant(method)
     if not variant.modifiers:
         return _COLORS.get(variant.method.name), "-"

@@ -5,9 +5,9 @@ fault runs (:mod:`.faults`) both start runs through these.
 import os
 from typing import List, Optional
 
-from . import netns
-from .jobs import Placement
-from .methods import parse_variant
+from ..network import netns
+from ..network.jobs import Placement
+from ..workload.methods import parse_variant
 
 
 def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: Optional[float] = None) -> List[str]:
@@ -75,7 +75,7 @@ class Network:
 
     def measure(self, threads: int) -> dict:
         """The link as the ranks get it: bulk TCP transfer rates, and the qdisc."""
-        from .jobs import child_env
+        from ..network.jobs import child_env
         env = child_env(threads)
         if self.cluster is not None:
             m = netns.measure_cluster(self.cluster, 1.0, env=env)

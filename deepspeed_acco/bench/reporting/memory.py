@@ -10,14 +10,14 @@ the summary's ``peak_rss_mib`` (CPU) or ``peak_gpu_mib`` (``torch.cuda.max_memor
 """
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from ..runtime.memory import CATEGORIES, deepspeed_breakdown
+from ...runtime.memory import CATEGORIES, deepspeed_breakdown
 
 
 def engine_memory(engine) -> Optional[Dict[str, Any]]:
     """A JSON-ready breakdown of what ``engine`` holds on this rank, or None if it cannot say."""
     breakdown = None
     gradients_from_sizes = False
-    from ..runtime.engine import AccoEngine
+    from ...runtime.engine import AccoEngine
     if isinstance(engine, AccoEngine):  # DeepSpeedEngine.memory_breakdown() is a config flag
         breakdown = engine.memory_breakdown()
     elif hasattr(getattr(engine, "optimizer", None), "bit16_groups_flat"):

@@ -1,6 +1,6 @@
-"""Tables from benchmarks/co2_study.py result files (validation loss per method at several updates).
+"""Tables from benchmarks/studies/co2_study.py result files (validation loss per method at several updates).
 
-    python benchmarks/co2_study_report.py DIR [DIR ...] [--at 60,120,240] [--reference zero1] [--lone lone]
+    python benchmarks/studies/co2_study_report.py DIR [DIR ...] [--at 60,120,240] [--reference zero1] [--lone lone]
 
 Every ``NAME.json`` in the folders is one run; runs named ``NAME.s<seed>`` are grouped into one
 row (mean and range over seeds). Reports, per row, the validation loss of the committed

@@ -1,6 +1,7 @@
-"""The latency model's command line (``python -m deepspeed_acco.bench.latency``): run the sized probe on
-two emulated nodes (:func:`measure`), and turn a probe and a bench report into the markdown of fits,
-checks and predicted ms/update (:func:`report_markdown`). The model itself: :mod:`deepspeed_acco.bench.latency`."""
+"""The latency model's command line (``python -m deepspeed_acco.bench.network.latency``): run the sized probe
+on two emulated nodes (:func:`measure`), and turn a probe and a bench report into the markdown of fits,
+checks and predicted ms/update (:func:`report_markdown`). The model itself:
+:mod:`deepspeed_acco.bench.network.latency`."""
 import argparse
 import json
 import math
@@ -16,8 +17,8 @@ from . import (BUCKET_MARGIN, comm_seconds, fit_probe, gloo_all_reduce_window_ok
 
 def _check_probe(probe: dict, path: str) -> None:
     if not probe.get("sizes"):
-        raise SystemExit(f"{path}: no \"sizes\" in this probe; run python -m deepspeed_acco.bench.commprobe with "
-                         "--sizes N1,N2,... on the emulated link first")
+        raise SystemExit(f"{path}: no \"sizes\" in this probe; run python -m "
+                         "deepspeed_acco.bench.reporting.commprobe with --sizes N1,N2,... on the emulated link first")
 
 
 def _select_link(results: dict, probe_bps: Optional[float], wanted: Optional[str]) -> Tuple[str, dict]:
@@ -206,7 +207,7 @@ def measure(rate: str, out_path: str, sizes: str = DEFAULT_SIZES, repeats: int =
                                measured_bps=link["one_way_bps"], duplex_bps=link["duplex_bps"], qdisc=cluster.qdisc()),
                      repeats=int(repeats), probe_wall_s=time.time() - started, loadavg_before=load_before,
                      loadavg_after=os.getloadavg()[0],
-                     command=f"python -m deepspeed_acco.bench.latency --measure {rate} --out {out_path} "
+                     command=f"python -m deepspeed_acco.bench.network.latency --measure {rate} --out {out_path} "
                              f"--sizes {sizes} --repeats {repeats}")
     finally:
         cluster.delete()
@@ -217,7 +218,7 @@ def measure(rate: str, out_path: str, sizes: str = DEFAULT_SIZES, repeats: int =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench.latency",
+    p = argparse.ArgumentParser(prog="python -m deepspeed_acco.bench.network.latency",
                                 description="Predict each method's ms/update at added one-way latency from an "
                                 "alpha-beta fit of commprobe --sizes and a bench report.")
     p.add_argument("--measure", metavar="RATE", default="",

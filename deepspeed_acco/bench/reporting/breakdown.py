@@ -27,7 +27,7 @@ import contextlib
 import time
 from typing import Dict, List, Optional
 
-from ..runtime.timeline import Timeline, chrome_trace
+from ...runtime.timeline import Timeline, chrome_trace
 
 PARTS = ("compute", "blocked", "optimizer", "boundary", "rest")
 """The parts of an update, in report order."""

@@ -1,0 +1,1 @@
+"""Running one method: the training process on every rank, its command line and network, injected faults."""
