@@ -45,6 +45,8 @@ import time
 import traceback
 from typing import Optional
 
+from ..reporting.report import MIN_TARGET_MARGIN, TARGET_RESOLUTION
+
 
 def _sync_updates(text: str):
     """``--warmup-sync-updates``: 'auto' or an integer >= 0."""
@@ -132,14 +134,6 @@ def parse_slow_rank(text: str):
     if rank < 0 or factor < 1.0:
         raise ValueError(f"--slow-rank: need rank >= 0 and factor >= 1, got {text!r}")
     return rank, factor
-
-
-TARGET_RESOLUTION = 0.02
-"""Near the target loss a run is evaluated every this share of ``--updates`` (at least every update), so
-that time to target resolves 2% and not the grid of ``--eval-every``."""
-
-MIN_TARGET_MARGIN = 0.005
-"""Dense evaluation starts at the latest within this relative distance above the target."""
 
 
 class TargetWatch:
