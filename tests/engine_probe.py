@@ -126,3 +126,64 @@ def poison_outer_reduce_scatter(engine, call_index: int) -> None:
 def outer_skips(engine) -> Optional[int]:
     """CO2: outer rounds skipped for non-finite values, as counted by the engine."""
     return getattr(engine.schedule, "outer_skips", None)
+
+
+def engine_state(engine) -> Dict[str, object]:
+    """Everything a checkpoint load may change, copied: the module's tensors, every flat buffer
+    (model, gathered output, partial sums), masters and the rule's state, counters, LR scheduler,
+    param-group hyperparameters, loss scale, phase and round, the job in flight (the same object, its
+    kind) and each type's own state (ACCO's kept first half, CO2's outer state). Waits for nothing
+    and changes nothing; compare two with :func:`state_differences`."""
+    schedule = engine.schedule
+
+    def copy(value):
+        if torch.is_tensor(value):
+            return value.detach().clone()
+        if isinstance(value, dict):
+            return {key: copy(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [copy(item) for item in value]
+        return value
+
+    state = {
+        "module": {key: value.detach().clone() for key, value in
+                   list(engine.module.named_parameters()) + list(engine.module.named_buffers())},
+        "flats": [{"model": flat.model_flat, "grad_accum": flat.grad_accum, "gather": flat.gather,
+                   "job_grad": flat.job_grad} for flat in engine.optimizer.flats],
+        "shards": [{"master": shard.master, **shard.state} for shard in engine.optimizer.shards],
+        "param_groups": [{key: value for key, value in group.items() if key != "params"}
+                         for group in engine.optimizer.param_groups],
+        "progress": schedule.progress.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scale": vars(schedule.loss_scale),
+        "phase": schedule.phase, "round_micro_batches": schedule.round_micro_batches,
+        "round_loss_scale": schedule.round_loss_scale, "jobs_launched": schedule.jobs_launched,
+        "running": id(schedule.running) if schedule.running is not None else None,
+        "running_kind": schedule.running_kind, "warmup_sync_updates": schedule.warmup_sync_updates,
+    }
+    for name in ("first_half_sum", "boundary_masters", "inner_steps_in_round", "outer_rounds", "outer_skips",
+                 "round_lr_sums"):
+        if hasattr(schedule, name):
+            state[name] = getattr(schedule, name)
+    if hasattr(schedule, "outers"):
+        state["outers"] = [{"anchor": outer.anchor, "prev_anchor": outer.prev_anchor, "momentum": outer.momentum,
+                            "round_start": outer.round_start, "gather": outer.gather} for outer in schedule.outers]
+    return copy(state)
+
+
+def state_differences(before: Dict[str, object], after: Dict[str, object], path: str = "") -> List[str]:
+    """The paths at which two :func:`engine_state` copies differ (bitwise for tensors)."""
+    if torch.is_tensor(before) or torch.is_tensor(after):
+        same = torch.is_tensor(before) and torch.is_tensor(after) and before.dtype == after.dtype \
+            and torch.equal(before, after)
+        return [] if same else [path]
+    if isinstance(before, dict) and isinstance(after, dict):
+        if set(before) != set(after):
+            return [f"{path} keys"]
+        return [item for key in before for item in state_differences(before[key], after[key], f"{path}.{key}")]
+    if isinstance(before, list) and isinstance(after, list):
+        if len(before) != len(after):
+            return [f"{path} length"]
+        return [item for index, (a, b) in enumerate(zip(before, after))
+                for item in state_differences(a, b, f"{path}[{index}]")]
+    return [] if before == after else [path]

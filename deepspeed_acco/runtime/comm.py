@@ -681,6 +681,29 @@ class ControlPlane:
             self._check("barrier")
             dist.barrier(group=self.group)
 
+    TEXT_BYTES = 2048
+    """Bytes of each rank's text that :meth:`texts` carries (longer texts are cut)."""
+
+    def texts(self, text: str) -> List[str]:
+        """Every rank's ``text``, in rank order (collective: one all-gather of a small byte tensor).
+
+        How ranks reach one verdict before any of them changes anything (a checkpoint load or save
+        that one rank refuses is refused by all, each naming the rank and its reason)."""
+        if self.world_size == 1:
+            return [text]
+        self._check("texts")
+        encoded = text.encode("utf-8")[:self.TEXT_BYTES]
+        mine = torch.zeros(self.TEXT_BYTES + 2, dtype=torch.uint8)
+        mine[0], mine[1] = len(encoded) // 256, len(encoded) % 256
+        mine[2:2 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        result = []
+        for row in gathered:
+            length = int(row[0]) * 256 + int(row[1])
+            result.append(bytes(row[2:2 + length].tolist()).decode("utf-8", errors="replace"))
+        return result
+
 
 def new_control_plane(timeout_s: float) -> ControlPlane:
     """A gloo group over all ranks for :class:`ControlPlane` (collective: every rank calls it).

@@ -187,8 +187,8 @@ class QuantizedReduceScatter:
             "residual": None if self.residual is None else self.residual.clone(),
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s residual; the geometry must match (same rank and world size)."""
+    def check_state_dict(self, state: Dict[str, Any]) -> None:
+        """Raise ``ValueError`` if :meth:`load_state_dict` would refuse ``state`` (changes nothing)."""
         expected = {"numel": self.numel, "rank": self.communicator.rank, "world_size": self.communicator.world_size}
         found = {key: state.get(key) for key in expected}
         if found != expected:
@@ -199,9 +199,15 @@ class QuantizedReduceScatter:
             raise ValueError("quantized reduce-scatter state and this collective disagree on error feedback: "
                              f"state has {'no ' if residual is None else ''}residual, error_feedback="
                              f"{self.error_feedback}")
+        if residual is not None and (not torch.is_tensor(residual) or residual.shape != self.residual.shape):
+            shape = tuple(residual.shape) if torch.is_tensor(residual) else type(residual).__name__
+            raise ValueError(f"residual has shape {shape}, expected {tuple(self.residual.shape)}")
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s residual; the geometry must match (same rank and world size)."""
+        self.check_state_dict(state)
+        residual = state.get("residual")
         if residual is not None:
-            if residual.shape != self.residual.shape:
-                raise ValueError(f"residual has shape {tuple(residual.shape)}, expected {tuple(self.residual.shape)}")
             # The format may change across a resume: the residual is plain fp32 values either way.
             self.residual.copy_(residual)
 
@@ -343,6 +349,19 @@ def compressing(compressions: Optional[List[GroupCompression]], index: int,
 def compresses(compressions: Optional[List[GroupCompression]], collective: str) -> bool:
     """Whether any group compresses ``collective`` ("gradients" or "weights")."""
     return any(compressing(compressions, index, collective) is not None for index in range(len(compressions or ())))
+
+
+def check_group_compressions(compressions: Optional[List[GroupCompression]], saved: Optional[List[Dict]]) -> None:
+    """Raise ``ValueError`` if :func:`load_group_compressions` would refuse ``saved`` (changes nothing)."""
+    if compressions is None or saved is None:
+        return
+    if len(saved) != len(compressions):
+        raise ValueError(f"compression state for {len(saved)} parameter groups, the engine has {len(compressions)}")
+    for compression, entry in zip(compressions, saved):
+        gradients = entry.get("gradients")
+        if gradients is not None and compression.gradients is not None:
+            compression.gradients.check_state_dict(gradients)
+            float(entry["residual_loss_scale"])
 
 
 def load_group_compressions(compressions: Optional[List[GroupCompression]], saved: Optional[List[Dict]]) -> bool:

@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .checks import (AUTO_WORD, attempt, boolean, collecting, config_error, integer, number, problems_so_far, report,
-                     unfilled_auto_error)
+from .checks import (AUTO_WORD, attempt, boolean, collecting, config_error, count_at_most, integer, number,
+                     problems_so_far, report, unfilled_auto_error)
 from .compression import CompressionConfig, QuantizationFormat
 from .optimizers import lookup, type_names
 from .optimizers.params import parse_params
@@ -83,6 +83,8 @@ def resolve_batch_sizes(config: Dict[str, Any], data_parallel_size: int) -> Batc
                        ("gradient_accumulation_steps", accumulation)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise config_error(key, f"must be a positive integer, got {value!r}", "fix the value")
+        if value is not None:
+            count_at_most(key, value)
     if train is not None and micro is not None and accumulation is not None:
         if train != micro * accumulation * data_parallel_size:
             raise config_error("train_batch_size", f"{train} != train_micro_batch_size_per_gpu ({micro}) * "
@@ -514,6 +516,7 @@ def _parse_steps_per_print(value: Any) -> Optional[int]:
     value = integer("steps_per_print", value)
     if value < 1:
         raise config_error("steps_per_print", f"must be >= 1, got {value}", "use e.g. 10")
+    count_at_most("steps_per_print", value)
     return value
 
 
@@ -531,6 +534,12 @@ def _parse_fp16(section: Dict[str, Any]) -> Dict[str, Any]:
         raise config_error("fp16.loss_scale_window", "must be >= 1", "use e.g. 1000")
     if options["hysteresis"] < 1:
         raise config_error("fp16.hysteresis", "must be >= 1", "use e.g. 2")
+    count_at_most("fp16.loss_scale_window", options["loss_scale_window"])
+    count_at_most("fp16.hysteresis", options["hysteresis"])
+    if not 0 <= options["initial_scale_power"] <= MAX_SCALE_POWER:
+        raise config_error("fp16.initial_scale_power", f"must lie in [0, {MAX_SCALE_POWER}], got "
+                           f"{options['initial_scale_power']}", "use e.g. 16 (DeepSpeed's default; the first loss "
+                           "scale is 2**initial_scale_power, and a larger one only overflows until it has been halved)")
     boolean("fp16.auto_cast", section.get("auto_cast", False))  # implemented: EngineConfig.auto_cast
     if section.get("consecutive_hysteresis"):
         raise config_error("fp16.consecutive_hysteresis", "refilling the hysteresis after every clean update is not "
@@ -541,6 +550,9 @@ def _parse_fp16(section: Dict[str, Any]) -> Dict[str, Any]:
     _warn_unknown("fp16", section, _FP16_KEYS)
     return options
 
+
+MAX_SCALE_POWER = 64
+"""Upper bound of fp16.initial_scale_power (the first dynamic loss scale is 2**initial_scale_power)."""
 
 _FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads", "loss_scale_profile"}

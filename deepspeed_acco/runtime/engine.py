@@ -569,7 +569,13 @@ class AccoEngine(DeepSpeedEngine):
                                                    save_latest=save_latest))
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None,
+                        trusted_classes=None):
+        """DeepSpeed's ``load_checkpoint``. Every file is read with ``torch.load(weights_only=True)``:
+        tensors, plain data and DeepSpeed's checkpoint classes; ``trusted_classes`` names further
+        classes (or functions) you trust the files to hold, e.g. the objects of your ``client_state``
+        (what ``torch.serialization.safe_globals`` accepts). Every file is checked before anything
+        changes: a refused load raises ``ValueError`` on every rank and leaves the engine as it was."""
         from .checkpoint import load_checkpoint
         self._check_healthy()
         self._leave_evaluation_view()
@@ -579,7 +585,8 @@ class AccoEngine(DeepSpeedEngine):
         return self._guard(lambda: load_checkpoint(
             self, load_dir, tag=tag, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only))
+            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            trusted_classes=trusted_classes))
 
     # ---- internals: caller-decided boundaries ------------------------------------------------
     def _update_position(self):

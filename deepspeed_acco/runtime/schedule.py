@@ -26,8 +26,8 @@ import torch
 
 from .comm import Communicator, CompletedWork, ControlPlane, Lane, Work
 from . import wire as wires
-from .compression import (CompressionConfig, GroupCompression, QuantizationFormat, group_compressions,
-                          load_group_compressions, wire_bytes)
+from .compression import (CompressionConfig, GroupCompression, QuantizationFormat, check_group_compressions,
+                          group_compressions, load_group_compressions, wire_bytes)
 from .flat import FlatParamGroup
 from .jobs import ADAMW, JobKind, JobResult, ShardState, ShardUpdateJob, UpdateRule
 from .loss_scale import LossScale
@@ -91,6 +91,36 @@ def result_to_dict(result) -> Dict:
 
 def job_result_from_dict(values: Dict) -> JobResult:
     return JobResult(**dict(values, kind=JobKind(values["kind"])))
+
+
+# ---- checks of a checkpoint's in-flight state (Schedule.check_checkpoint_state) ---------------------
+def check_phase(meta: Dict[str, Any], phases: Type[enum.Enum]) -> None:
+    values = [phase.value for phase in phases]
+    if meta.get("phase") not in values:
+        raise ValueError(f"the saved phase {meta.get('phase')!r} is not one of {values}")
+
+
+def check_counts(meta: Dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        value = meta.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"the saved {key} is {value!r}, not a count")
+
+
+def check_vectors(entries: Dict[str, Any], key: str, sizes: List[int], optional: bool = False) -> None:
+    """``entries[key]``: one floating-point tensor per group with ``sizes[i]`` values."""
+    if key not in entries:
+        if optional:
+            return
+        raise ValueError(f"the entry {key!r} is missing")
+    values = entries[key]
+    if not isinstance(values, (list, tuple)) or len(values) != len(sizes):
+        raise ValueError(f"{key!r} has {len(values) if isinstance(values, (list, tuple)) else values!r} entries for "
+                         f"{len(sizes)} parameter groups")
+    for index, (value, size) in enumerate(zip(values, sizes)):
+        if not torch.is_tensor(value) or not value.is_floating_point() or value.numel() != size:
+            found = f"{value.numel()} values" if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(f"{key}[{index}] has {found}, this engine {size}")
 
 
 def step_lr_scheduler(lr_scheduler) -> None:
@@ -818,6 +848,49 @@ class Schedule:
     def load_type_state(self, state: CheckpointState) -> None:
         """Restore the type's own in-flight state beyond the base's, which its ``checkpoint_state``
         added (ACCO's kept first half); called last by ``load_checkpoint_state``."""
+
+    def check_checkpoint_state(self, state: CheckpointState) -> None:
+        """Raise ``ValueError`` naming the entry where :meth:`load_checkpoint_state` could not continue
+        exactly from ``state``; changes nothing (``load_checkpoint`` checks every file before it changes
+        anything). ``state.sharded`` holds the saved partitions (their sizes are checked by the
+        loader), ``state.local`` is empty after a re-shard."""
+        meta = state.meta
+        check_phase(meta, self.Phase)
+        check_counts(meta, "round_micro_batches", "jobs_launched")
+        if meta["round_micro_batches"] and state.local:
+            check_vectors(state.local, "grad_accum", [flat.numel for flat in self.flats])
+        pending = meta["pending"]
+        if pending is not None:
+            kind = JobKind(pending["kind"])
+            try:
+                job_result_from_dict(pending["result"])
+            except TypeError as error:
+                raise ValueError(f"the pending job's result {pending['result']!r} does not fit ({error})") from None
+            if kind is JobKind.ESTIMATE and "estimate" not in state.sharded:
+                raise ValueError("an estimate job is pending but its output ('estimate') is missing")
+        check_group_compressions(self.compression, state.local.get("compression"))
+        self.check_wire_state(meta.get("wire"), state.local.get("compression"))
+        self.check_type_state(state)
+
+    def check_wire_state(self, saved: Optional[Dict[str, Any]], compressions: Optional[List[Dict]]) -> None:
+        """Raise ``ValueError`` if :meth:`restore_wire` could not take a checkpoint's wire: a choice that
+        names no wire, or residuals whose size does not fit the buffers the choice would allocate here."""
+        choice = (saved or {}).get("choice")
+        if not choice or self.wire_mode != wires.AUTO:
+            return
+        if choice.get("wire") not in wires.WIRES:
+            raise ValueError(f"the checkpoint's wire choice names {choice.get('wire')!r}, not one of "
+                             f"{', '.join(wires.WIRES)}")
+        members = self.network_communicator().world_size
+        for index, (flat, entry) in enumerate(zip(self.flats, compressions or [])):
+            residual = ((entry or {}).get("gradients") or {}).get("residual")
+            expected = (members - 1) * (flat.padded_numel // members)
+            if residual is not None and getattr(residual, "numel", lambda: -1)() != expected:
+                raise ValueError(f"compression[{index}]'s residual has {residual.numel()} values; the {choice['wire']} "
+                                 f"wire on {members} ranks holds {expected}")
+
+    def check_type_state(self, state: CheckpointState) -> None:
+        """The type's part of :meth:`check_checkpoint_state` (what its :meth:`load_type_state` reads)."""
 
 
 class _SchedulerView:

@@ -147,6 +147,10 @@ class ACCO(Schedule):
             state.sharded["first_half_sum"] = [values.clone() for values in self.first_half_sum]
         return state
 
+    def check_type_state(self, state: CheckpointState) -> None:
+        if state.meta["phase"] == Phase.SECOND_HALF.value and "first_half_sum" not in state.sharded:
+            raise ValueError("saved in the second half of an update, but the kept first-half sum is missing")
+
     def load_type_state(self, state: CheckpointState) -> None:
         if self.phase is Phase.SECOND_HALF:
             for target, values in zip(self.first_half_sum, state.sharded["first_half_sum"]):

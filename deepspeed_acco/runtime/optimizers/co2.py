@@ -28,15 +28,16 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from ... import ops
-from ..checks import config_error
+from ..checks import config_error, count_at_most
 from ..comm import Communicator, CompletedWork, DeviceReadback, PhaseClock
 from .. import wire as wires
-from ..compression import (CompressionConfig, GroupCompression, QuantizationFormat, compresses, compressing,
-                           group_compressions, load_group_compressions, wire_bytes)
+from ..compression import (CompressionConfig, GroupCompression, QuantizationFormat, check_group_compressions, compresses,
+                           compressing, group_compressions, load_group_compressions, wire_bytes)
 from ..flat import FlatParamGroup
 from ..jobs import JobKind, correctly_rounded_sqrt
 from ..optimizer import ShardedOptimizer
-from ..schedule import BuildContext, CheckpointState, Schedule, result_to_dict
+from ..schedule import (BuildContext, CheckpointState, Schedule, check_counts, check_phase, check_vectors,
+                        result_to_dict)
 from .params import AUTO, AdamWParams, WarmupParams
 
 ADAPTIVE = "adaptive"
@@ -110,6 +111,7 @@ class CO2Params(WarmupParams, AdamWParams):
         super().validate(prefix)
         if self.local_steps < 1:
             raise config_error(f"{prefix}.local_steps", f"must be >= 1, got {self.local_steps}", "use e.g. 4")
+        count_at_most(f"{prefix}.local_steps", self.local_steps)
         if self.outer_lr <= 0:
             raise config_error(f"{prefix}.outer_lr", f"must be > 0, got {self.outer_lr}", "use e.g. 1.0")
         if not 0.0 <= self.outer_momentum < 1.0:
@@ -123,6 +125,7 @@ class CO2Params(WarmupParams, AdamWParams):
                                "use a positive threshold or null to disable")
         if self.group_size < 1:
             raise config_error(f"{prefix}.group_size", f"must be >= 1, got {self.group_size}", "use 1 (no groups)")
+        count_at_most(f"{prefix}.group_size", self.group_size)
         if self.anchor_merge_steps is not None:
             if not 0 <= self.anchor_merge_steps <= self.local_steps:
                 default_note = "" if "local_steps" in self.given else " (local_steps' default)"
@@ -657,6 +660,42 @@ class CO2(Schedule):
                 local[key] = [compression.state_dict() for compression in compressions]
         return CheckpointState(fp32_partitions=[s.anchor for s in self.outers], rule_state=None, sharded=sharded,
                                local=local, meta=meta)
+
+    def check_checkpoint_state(self, state: CheckpointState) -> None:
+        meta, local = state.meta, state.local
+        check_phase(meta, self.Phase)
+        check_counts(meta, "round_micro_batches", "jobs_launched", "inner_steps_in_round", "outer_rounds",
+                     "outer_skips")
+        if len(meta.get("round_lr_sums", self.round_lr_sums)) != len(self.flats):
+            raise ValueError(f"round_lr_sums has {len(meta['round_lr_sums'])} entries for {len(self.flats)} groups")
+        if meta["pending"] is not None:
+            try:
+                OuterResult(**meta["pending"]["result"])
+            except TypeError as error:
+                raise ValueError(f"the pending outer result {meta['pending']['result']!r} does not fit ({error})") \
+                    from None
+        for key in ("prev_anchor", "momentum"):
+            if key not in state.sharded:
+                raise ValueError(f"the outer state {key!r} is missing")
+        if ("round_start" in state.sharded) != ("gathered_anchor" in state.sharded):
+            raise ValueError("of the gathered anchors only one of 'round_start' and 'gathered_anchor' is saved")
+        inner = [shard.master.numel() for shard in self.shards]
+        check_vectors(local, "inner_master", inner)
+        check_vectors(local, "boundary_masters", inner, optional=True)
+        check_vectors(local, "replica", [flat.shard_numel for flat in self.flats], optional=True)
+        if meta["round_micro_batches"]:
+            check_vectors(local, "grad_accum", [flat.numel for flat in self.flats])
+        saved_inner = local.get("inner_state")
+        if not isinstance(saved_inner, (list, tuple)) or len(saved_inner) != len(self.shards):
+            raise ValueError("the inner optimizer state is missing or has another number of groups")
+        for index, (shard, saved) in enumerate(zip(self.shards, saved_inner)):
+            if sorted(saved) != sorted(shard.state):
+                raise ValueError(f"inner_state[{index}] holds {sorted(saved)}, this engine {sorted(shard.state)}")
+            for name, value in shard.state.items():
+                check_vectors({name: [saved[name]]}, name, [value.numel()])
+        check_group_compressions(self.compression, local.get("compression"))
+        check_group_compressions(self.outer_compression, local.get("outer_compression"))
+        self.check_wire_state(meta.get("wire"), local.get("outer_compression"))
 
     def load_checkpoint_state(self, state: CheckpointState, gather_full) -> None:
         meta = state.meta

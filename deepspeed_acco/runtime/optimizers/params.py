@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, FrozenSet, Optional, Tuple, Union
 
 from ...ops import quantization
-from ..checks import attempt, boolean, collecting, config_error, integer, number, report, unfilled_auto_error
+from ..checks import (MAX_DURATION_S, at_most, attempt, boolean, collecting, config_error, count_at_most, integer,
+                      number, report, unfilled_auto_error)
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
@@ -108,6 +109,9 @@ class PipelineParams:
         if self.communication_timeout_s <= 0:
             raise config_error(f"{prefix}.communication_timeout_s", f"must be > 0, got {self.communication_timeout_s}",
                                f"use e.g. {DEFAULT_COMMUNICATION_TIMEOUT_S}")
+        at_most(f"{prefix}.communication_timeout_s", self.communication_timeout_s, MAX_DURATION_S,
+                f"use e.g. {DEFAULT_COMMUNICATION_TIMEOUT_S:g} (seconds): it only decides how soon a collective that "
+                f"never finishes is reported", limit_text=" (365 days)")
         if self.quantization_bits not in quantization.BITS:
             raise config_error(f"{prefix}.quantization_bits", f"must be 8 or 4, got {self.quantization_bits}",
                                "use 8 (int8, 3.9x fewer bytes than fp32) or 4 (int4, 7.5x)")
@@ -166,6 +170,7 @@ class WarmupParams:
         if self.warmup_sync_updates < 0:
             raise config_error(f"{prefix}.warmup_sync_updates", f"must be >= 0, got {self.warmup_sync_updates}",
                                "use 0 for no warm-up, or the number of synchronous updates to start with")
+        count_at_most(f"{prefix}.warmup_sync_updates", self.warmup_sync_updates)
 
 
 @dataclass(kw_only=True)
@@ -183,6 +188,7 @@ class CooldownParams:
         after = self.sync_after_updates
         if after is None:
             return
+        count_at_most(f"{prefix}.sync_after_updates", after)
         warmup = getattr(self, "warmup_sync_updates", 0)
         if warmup == AUTO:
             if after < 1:
