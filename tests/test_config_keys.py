@@ -109,9 +109,11 @@ COMPRESSION_MISTAKES = [
     ("optimizer.params.quantization_block_size", _with_params(ZERO_PLUS_PLUS, quantization_block_size=100)),
     ("optimizer.params.quantization_block_size", _with_params(ZERO_PLUS_PLUS, quantization_block_size=16)),
     ("optimizer.params.quantization_block_size", _with_params(ZERO_PLUS_PLUS, quantization_block_size=1024)),
-    # A format for communication that is not compressed: the user expects int4 and would get fp32.
+    # A format for communication that is not compressed: the user expects int4 and would get fp32. (Under
+    # "auto", the default wire of DPU, ACCO and CO2, the bits are the engine's choice; the block size applies.)
     ("optimizer.params.quantization_bits", _with_params({"zero_quantized_gradients": False}, quantization_bits=4)),
-    ("optimizer.params.quantization_block_size", _with_params({}, quantization_block_size=64)),
+    ("optimizer.params.quantization_block_size", dict(_with_params({}, quantization_block_size=64),
+                                                      communication_data_type="bf16")),
     # The compressed reduce-scatter quantises fp32 sums; a bf16 reduce-scatter cannot be quantised too.
     ("communication_data_type", dict(with_keys(zero_optimization={"zero_quantized_gradients": True}),
                                      communication_data_type="bf16")),

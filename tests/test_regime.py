@@ -6,7 +6,9 @@ import time
 import pytest
 import torch
 
-from deepspeed_acco.runtime.regime import REGIME_UPDATES, RegimeMonitor, int8_bytes, measure, predict
+from deepspeed_acco.runtime.regime import (DECISION_JOBS, DECISION_UPDATES, RegimeMonitor, int8_bytes, measure, predict,
+                                          quantized_bytes, round_bytes, update_bound_s,
+                                          update_wire_bytes)
 from deepspeed_acco.runtime.timeline import TimeBreakdown, Timeline, chrome_trace, split_wait
 from test_schedule import Harness, RecordingCommunicator
 
@@ -51,7 +53,7 @@ def _snapshots(compute_s, comm_s, update_s, updates, jobs_per_update):
     return before, after
 
 
-def test_regime_on_a_fake_clock_predicts_every_type_from_the_bounds():
+def test_regime_on_a_fake_clock_predicts_every_type_on_every_wire_from_the_bounds():
     # 390 ms of forward + backward and 10 ms of optimizer per update; 264 ms per bf16 round (2 + 2 bytes).
     before, after = _snapshots(0.39, 0.264, 0.01, updates=10, jobs_per_update=1)
     regime = measure(before, after, 10, round_bytes=4.0, model_bytes=2.0, communication_bytes=2.0)
@@ -59,46 +61,54 @@ def test_regime_on_a_fake_clock_predicts_every_type_from_the_bounds():
     assert regime.communication_share == pytest.approx(0.264 / 0.664)
     predicted = regime.predicted_s
     assert predicted["ShardedAdamW"] == pytest.approx(0.664)
-    assert predicted["DPU"] == pytest.approx(0.4)
-    assert predicted["ACCO"] == pytest.approx(0.528)                       # two rounds per update
-    assert predicted["ACCO with int8 communication"] == pytest.approx(0.4)  # 2 x 2.06 bytes: hidden
-    assert predicted["CO2"] == pytest.approx(0.528)                        # fp32: 8 bytes per value
-    assert regime.fastest == "DPU, ACCO with int8 communication"  # both hide their rounds under compute
+    assert predicted["DPU (bf16)"] == pytest.approx(0.4)
+    assert predicted["ACCO (bf16)"] == pytest.approx(0.528)  # two rounds per update
+    assert predicted["ACCO (int8)"] == pytest.approx(0.4)  # 2 x 2.06 bytes: hidden
+    # CO2 averages fp32 (8 bytes per value: 528 ms) once every 4 inner steps and may take 1 of them:
+    # 0.4 + (0.528 - 0.4) / 4 per inner step.
+    assert predicted["CO2 (fp32)"] == pytest.approx(0.4 + 0.128 / 4)
+    assert predicted["CO2 (int8)"] == pytest.approx(0.4)
+    assert regime.fastest.startswith("DPU (bf16), DPU (int8), DPU (int4), ACCO (int8)")
     text = regime.describe("ACCO")
-    assert "communication is 40% of a synchronous update" in text and "ACCO 528 ms (0.80x)" in text
+    assert "communication is 40% of a synchronous update" in text and "ACCO (bf16) 528 ms (0.80x)" in text
     # Measured in an fp32 round, the bf16 types' rounds are half as long.
-    fp32 = predict(0.4, 0.5, round_bytes=8.0, model_bytes=2.0, communication_bytes=2.0)
-    assert fp32["ShardedAdamW"] == pytest.approx(0.65) and fp32["ACCO"] == pytest.approx(0.5)
-    assert predict(0.1, 1.0, round_bytes=4.0, model_bytes=2.0, communication_bytes=2.0)[
-        "ACCO with int8 communication"] == pytest.approx(2 * 2 * int8_bytes(128) / 4.0)
+    fp32 = predict(0.4, 0.5, measured_bytes=8.0, model_dtype="bf16")
+    assert fp32["ShardedAdamW"] == pytest.approx(0.65) and fp32["ACCO (bf16)"] == pytest.approx(0.5)
+    slow = predict(0.1, 1.0, measured_bytes=4.0, model_dtype="bf16", quantization_s={"int8": 0.02, "int4": 0.03})
+    assert slow["ACCO (int8)"] == pytest.approx(2 * (2 * int8_bytes(128) / 4.0 + 0.02))
+    assert slow["ACCO (int4)"] == pytest.approx(2 * (2 * quantized_bytes(4, 128) / 4.0 + 0.03))
     assert measure(before, before, 10, round_bytes=4.0, model_bytes=2.0, communication_bytes=2.0) is None
 
 
-class _Config:
-    optimizer_type, precision, communication_dtype = "ACCO", "bf16", "bf16"
+def test_co2_bound_pays_only_what_its_averaging_does_not_hide_once_per_round():
+    # T_compute 0.4 s, the averaging takes 2 s, every 4 inner steps, and may take 1 (eager) or 4 of them.
+    assert update_bound_s("CO2", 0.4, 2.0, local_steps=4, averaging_steps=1) == pytest.approx(0.4 + 1.6 / 4)
+    assert update_bound_s("CO2", 0.4, 2.0, local_steps=4, averaging_steps=4) == pytest.approx(0.4 + 0.4 / 4)
+    assert update_bound_s("CO2", 0.4, 0.3, local_steps=4, averaging_steps=1) == pytest.approx(0.4)  # hidden
+    assert update_bound_s("ACCO", 0.4, 0.3) == pytest.approx(0.6)
+    assert update_bound_s("DPU", 0.4, 0.3) == pytest.approx(0.4)
+    assert update_bound_s("ShardedAdamW", 0.4, 0.3) == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="no bound for optimizer type"):
+        update_bound_s("Adam", 0.4, 0.3)
+    # The bytes a job moves per value on each wire (block 128).
+    assert round_bytes("ACCO", "bf16", model_dtype="bf16") == 4.0
+    assert round_bytes("ACCO", "fp32", model_dtype="bf16") == 6.0  # fp32 gradients, bf16 parameters
+    assert round_bytes("CO2", "fp32", model_dtype="bf16") == 8.0
+    assert round_bytes("CO2", "int4", model_dtype="bf16") == pytest.approx(2 * (0.5 + 4 / 128))
 
-    class compression:
-        gradients = weights = False
 
-        class format:
-            block_size = 128
-
-
-def test_regime_is_logged_once_at_the_end_of_the_warmup_or_after_a_few_updates():
-    def run(warmup):
-        monitor, said = RegimeMonitor(_Config()), []
-        for steps in range(1, 20):
-            before, after = _snapshots(0.39, 0.264, 0.01, updates=steps, jobs_per_update=1)
-            message = monitor.note(steps, after, warmup)
-            if message:
-                said.append((steps, message))
-        return monitor, said
-
-    monitor, said = run(warmup=8)
-    assert [steps for steps, _ in said] == [8] and said[0][1].startswith("ACCO: your regime, measured over 7 updates")
-    assert monitor.regime(19, {}) is monitor.regime(8, {})  # the logged window, afterwards
-    _, said = run(warmup=0)
-    assert [steps for steps, _ in said] == [1 + REGIME_UPDATES]
+def test_regime_window_ends_after_a_few_updates_with_enough_network_jobs():
+    monitor = RegimeMonitor()
+    assert not monitor.complete(0, {"jobs": 0})  # nothing starts before the first update
+    assert not monitor.complete(1, {"jobs": 1})  # the window starts after it
+    assert monitor.window(1, {"jobs": 1}) is None
+    assert not monitor.complete(1 + DECISION_UPDATES - 1, {"jobs": 9})
+    assert monitor.complete(1 + DECISION_UPDATES, {"jobs": 1 + DECISION_JOBS})
+    assert not monitor.complete(1 + DECISION_UPDATES, {"jobs": DECISION_JOBS})  # CO2: one averaging so far
+    assert monitor.no_network(1 + DECISION_UPDATES, {"jobs": 1})
+    updates, t_compute, t_comm = monitor.window(3, {"jobs": 3, "compute": 0.8, "job_update_s": 0.2,
+                                                    "job_reduce_scatter_s": 0.2, "job_all_gather_s": 0.2})
+    assert (updates, t_compute, t_comm) == (2, pytest.approx(0.5), pytest.approx(0.2))
 
 
 class _SlowCommunicator(RecordingCommunicator):
@@ -133,3 +143,19 @@ def test_jobs_that_only_copy_locally_are_not_counted_as_communication():
     values = h.schedule.time.snapshot()
     assert h.applied_steps == 2 and values["jobs"] == 0 and "job_all_gather_s" not in values
     assert values["blocked"] + values["optimizer"] > 0.0
+
+
+def test_bytes_per_update_follow_what_the_jobs_send():
+    """The README's table of bytes per update (runtime/regime.py) against the collectives' own count
+    (runtime/compression.py's ``job_wire_bytes``, which tests/test_compressed_training.py checks on gloo's
+    sockets) for a large model at W = 8: within the packing's padding."""
+    from deepspeed_acco.runtime.compression import QuantizationFormat, job_wire_bytes
+    values, world = 1 << 22, 8
+    for bits, wire in ((8, "int8"), (4, "int4")):
+        per_job = sum(job_wire_bytes(values, world, QuantizationFormat(bits=bits)).values())
+        assert update_wire_bytes("ACCO", wire, values, world) == pytest.approx(2 * per_job, rel=1e-3)
+        assert update_wire_bytes("CO2", wire, values, world) == pytest.approx(per_job / 4, rel=1e-3)
+    fp32_job = sum(job_wire_bytes(values, world, None).values())  # fp32 both ways
+    assert update_wire_bytes("CO2", "fp32", values, world) == pytest.approx(fp32_job / 4)
+    assert update_wire_bytes("ShardedAdamW", "fp32", values, world, model_dtype="fp32") == pytest.approx(fp32_job)
+    assert update_wire_bytes("ACCO", "bf16", values, world) == pytest.approx(fp32_job)  # two jobs of half the bytes

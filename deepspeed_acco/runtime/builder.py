@@ -86,6 +86,7 @@ def build(*, module: torch.nn.Module, param_groups: List[Dict], config: EngineCo
                            loss_scale=LossScale.from_config(config.fp16_loss_scale),
                            new_group_communicator=new_group_communicator)
     schedule = schedule_class.build(context)
+    schedule.fix_wire_from_environment()
     schedule.optimizer.attach_loss_scale(schedule.loss_scale)
     lr_scheduler = make_lr_scheduler(schedule.optimizer, client_lr_scheduler, config.raw.get("scheduler"))
     schedule.lr_scheduler = lr_scheduler

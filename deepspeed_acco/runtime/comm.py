@@ -667,6 +667,15 @@ class ControlPlane:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return int(tensor.item())
 
+    def max_values(self, values: List[float]) -> List[float]:
+        """Each of ``values``' largest value over all ranks (collective; float64)."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        self._check("max")
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor.tolist()
+
     def barrier(self) -> None:
         if self.world_size > 1:
             self._check("barrier")

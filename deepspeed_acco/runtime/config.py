@@ -145,7 +145,12 @@ class EngineConfig:
     (docs/design.md, 3.6); "bf16" (bf16 models only) saves 2 bytes per parameter, as DeepSpeed's
     bf16 default does."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
-    """Quantised reduce-scatter / all-gather (``zero_quantized_gradients`` / ``zero_quantized_weights``)."""
+    """Quantised reduce-scatter / all-gather (``zero_quantized_gradients`` / ``zero_quantized_weights``, or
+    ``communication_data_type`` "int8" / "int4")."""
+    wire: str = "fp32"
+    """``"auto"`` (the engine chooses once from its measurements, runtime/wire.py) or the wire the config
+    fixes: a dtype ("fp32", "bf16", "fp16"), "int8"/"int4" (both collectives compressed), or "custom"
+    (ZeRO++'s keys compress one collective only)."""
     gradient_clipping: float = 0.0
     steps_per_print: Optional[int] = 10
     """None: never print (Accelerate sets it to infinity)."""
@@ -463,13 +468,18 @@ _FORMAT_PARAMS = ("quantization_bits", "quantization_block_size")
 
 
 def _parse_compression(zero: Any, params: Any, raw_params: Dict[str, Any], communication_dtype: Optional[str],
-                       kind: str) -> CompressionConfig:
+                       kind: str, auto: bool = False) -> CompressionConfig:
     """ZeRO++'s switches with our format params (docs/design.md, 3.7); ``communication_dtype``: the
-    ``communication_data_type`` the config gives (None: not given)."""
+    ``communication_data_type`` the config gives (None: not given); ``auto``: the wire is chosen by the
+    engine, which may compress (the block size then applies; the bits are the choice's)."""
     gradients, weights = _parse_zero(zero, kind)
     if not (gradients or weights):
+        if auto and "quantization_bits" in raw_params:
+            raise config_error("optimizer.params.quantization_bits", "the wire is chosen by the engine "
+                               "(communication_data_type \"auto\", the default), which picks the bits too",
+                               "fix the wire instead: \"communication_data_type\": \"int8\" or \"int4\"")
         for key in _FORMAT_PARAMS:
-            if key in raw_params:
+            if key in raw_params and not (auto and key == "quantization_block_size"):
                 raise config_error(f"optimizer.params.{key}", "sets the format of compressed communication, which is "
                                    "off", "set zero_optimization.zero_quantized_gradients and/or "
                                    "zero_quantized_weights to true, or remove it")
@@ -482,6 +492,22 @@ def _parse_compression(zero: Any, params: Any, raw_params: Dict[str, Any], commu
     return CompressionConfig(gradients=gradients, weights=weights,
                              format=QuantizationFormat(bits=params.quantization_bits,
                                                        block_size=params.quantization_block_size))
+
+
+def _compressed_wire(zero: Any, params: Any, raw_params: Dict[str, Any], wire: str, kind: str) -> CompressionConfig:
+    """``communication_data_type`` "int8" / "int4": both collectives compressed with that many bits."""
+    gradients, weights = _parse_zero(zero, kind)
+    bits = _COMPRESSED_WIRES[wire]
+    if "quantization_bits" in raw_params and params.quantization_bits != bits:
+        raise config_error("optimizer.params.quantization_bits", f"{params.quantization_bits} contradicts "
+                           f"communication_data_type {wire!r}", "remove it (the wire names the bits)")
+    if (gradients or weights) and not (gradients and weights):
+        raise config_error("zero_optimization.zero_quantized_gradients", f"communication_data_type {wire!r} "
+                           "compresses both the gradients and the parameters, and ZeRO++'s keys compress only one",
+                           "remove zero_quantized_gradients / zero_quantized_weights (the wire covers both), or "
+                           "remove communication_data_type")
+    return CompressionConfig(gradients=True, weights=True,
+                             format=QuantizationFormat(bits=bits, block_size=params.quantization_block_size))
 
 
 def _parse_steps_per_print(value: Any) -> Optional[int]:
@@ -550,18 +576,39 @@ def _check_bf16(section: Any) -> None:
     _warn_unknown("bf16", section, _BF16_KEYS)
 
 
+_COMPRESSED_WIRES = {"int8": 8, "int4": 4}
+
+
 def _parse_communication_dtype(value: Any, precision: str) -> Optional[str]:
-    """``communication_data_type`` as one of our dtype names, or None when the config does not give it."""
+    """``communication_data_type`` as one of our wire names ("auto", a dtype, "int8", "int4"), or None
+    when the config does not give it (docs/design.md, "The wire")."""
     if value is None:
         return None
-    dtype = _DTYPE_NAMES.get(str(value).lower())
+    text = str(value).lower()
+    if text == "auto" or text in _COMPRESSED_WIRES:
+        return text
+    dtype = _DTYPE_NAMES.get(text)
     if dtype is None:
         raise config_error("communication_data_type", f"{value!r} is not supported by our optimizers",
-                           "use \"fp32\", \"bf16\" or \"fp16\" (or remove it: the model's dtype, as in DeepSpeed)")
+                           "use \"auto\" (DPU, ACCO, CO2: chosen from the link), \"fp32\", \"bf16\", \"fp16\", "
+                           "\"int8\" or \"int4\" (or remove it: the default)")
     if dtype == "fp16" and precision != "fp16":
         raise config_error("communication_data_type", f"\"fp16\" with a {precision} model: fp16 gradients stay in "
                            "range only under fp16's loss scale", "use \"bf16\" or \"fp32\", or enable fp16")
     return dtype
+
+
+def resolve_wire(given: Optional[str], kind: str, compression: CompressionConfig, precision: str) -> str:
+    """The wire the config asks for (docs/design.md, "The wire"): what ``communication_data_type`` gives;
+    else what ZeRO++'s keys fix; else "auto" for the overlapped types and the model's dtype for
+    ShardedAdamW, which never compresses on its own."""
+    if compression.enabled:
+        if not (compression.gradients and compression.weights):
+            return "custom"
+        return f"int{compression.format.bits}"
+    if given is not None:
+        return given
+    return precision if kind == "ShardedAdamW" else "auto"
 
 
 def resolve_communication_dtype(given: Optional[str], precision: str, compressed_gradients: bool) -> str:
@@ -634,14 +681,34 @@ def parse_config(config: Dict[str, Any], world_size: int, *, caller_sets_boundar
 
         given = communication_dtype = None
         compression = CompressionConfig()
+        wire = "fp32"
         with attempt():
             given = _parse_communication_dtype(config.get("communication_data_type"), precision)
+            if given == "auto" and kind == "ShardedAdamW":
+                raise config_error("communication_data_type", "\"auto\" chooses a compressed wire where the link "
+                                   "needs one, and ShardedAdamW, the synchronous baseline, never compresses on its own",
+                                   "remove it (the model's dtype), or fix a wire: \"bf16\", \"fp32\", \"int8\", "
+                                   "\"int4\"")
         if params_valid:  # the format params (quantization_bits, ...) are read only when valid
             with attempt():
-                compression = _parse_compression(config.get("zero_optimization"), params, raw_params, given, kind)
+                if given in _COMPRESSED_WIRES:
+                    compression = _compressed_wire(config.get("zero_optimization"), params, raw_params, given, kind)
+                else:
+                    compression = _parse_compression(config.get("zero_optimization"), params, raw_params,
+                                                     None if given == "auto" else given, kind,
+                                                     auto=given == "auto" or (given is None and kind != "ShardedAdamW"))
+                    if given == "auto" and compression.enabled:
+                        raise config_error("communication_data_type", "\"auto\" lets the engine choose the wire, and "
+                                           "zero_optimization.zero_quantized_gradients / zero_quantized_weights fix it",
+                                           "remove one of the two")
         else:
             with attempt():
                 _parse_zero(config.get("zero_optimization"), kind)
+        if given in _COMPRESSED_WIRES or given == "auto":
+            wire = resolve_wire(given if given == "auto" else None, kind, compression, precision)
+            given = None
+        else:
+            wire = resolve_wire(given, kind, compression, precision)
         communication_dtype = resolve_communication_dtype(given, precision, compression.gradients)
         accumulation_dtype = "fp32"
         with attempt():
@@ -674,7 +741,7 @@ def parse_config(config: Dict[str, Any], world_size: int, *, caller_sets_boundar
     return EngineConfig(optimizer_type=kind, params=params, batch=batch, world_size=world_size, precision=precision,
                         communication_dtype=communication_dtype, communication_dtype_given=given is not None,
                         accumulation_dtype=accumulation_dtype,
-                        compression=compression,
+                        compression=compression, wire=wire,
                         gradient_clipping=clipping,
                         steps_per_print=steps_per_print,
                         wall_clock_breakdown=wall_clock,

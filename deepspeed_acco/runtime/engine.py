@@ -37,7 +37,7 @@ from .builder import build, local_rank
 from .comm import CommunicationError
 from .config import EngineConfig, no_effect_note
 from .jobs import JobResult
-from .regime import Regime, RegimeMonitor
+from .regime import Regime
 
 logger = logging.getLogger("DeepSpeed").getChild("acco")
 
@@ -122,7 +122,6 @@ class AccoEngine(DeepSpeedEngine):
         self.recent_commits = collections.deque(maxlen=_RECENT_COMMITS)
         """Results of the latest installed commits (micro-batch counts, norms, skips, phase timings)."""
         self._module_hooks = [] if self.schedule.uneven_rounds else _register_module_hooks(self, model)
-        self._regime_monitor = RegimeMonitor(config)
         _track(self)
         batch = config.batch
         _log_rank0(f"engine ready: type={config.optimizer_type} ranks={self.world_size} "
@@ -165,18 +164,23 @@ class AccoEngine(DeepSpeedEngine):
         return self.schedule.total_wait_s
 
     def regime(self) -> Optional[Regime]:
-        """Measured compute and communication time per update, the communication share, and each type's
-        predicted time per update from the bounds (runtime/regime.py; docs/design.md, "Where the time
-        goes"). The window is the one logged once at start-up (the synchronous warm-up, or the updates
-        after the first); before that, the updates since the first; None before the second update."""
-        return self._regime_monitor.regime(self.global_steps, self.time_breakdown())
+        """Measured compute and communication time per update, the communication share, each type's
+        predicted time per update on each wire from the bounds, and the wire this engine chose
+        (runtime/regime.py, runtime/wire.py; docs/design.md, "Where the time goes" and "The wire"). The
+        window is the one logged once near the start (:data:`~deepspeed_acco.runtime.regime.DECISION_UPDATES`
+        updates after the first); before its end, the updates since the first; None before a job finished."""
+        return self.schedule.regime()
+
+    @property
+    def wire(self) -> str:
+        """The wire the communication jobs run on now ("bf16", "fp32", "fp16", "int8", "int4")."""
+        return self.schedule.wire_name
 
     def _note_regime(self) -> None:
-        message = self._regime_monitor.note(self.global_steps, self.time_breakdown(),
-                                            self.schedule.warmup_sync_updates)
+        message = self.schedule.take_regime_log()
         if message:
             # At WARNING: DeepSpeed's logger shows nothing below it by default, and this line is the
-            # one report a user reads to choose a type (docs/design.md, "Where the time goes").
+            # one report a user reads to choose a type and see the wire (docs/design.md, "The wire").
             _log_rank0(message, logging.WARNING)
 
     def time_breakdown(self) -> Dict[str, float]:
@@ -400,7 +404,7 @@ class AccoEngine(DeepSpeedEngine):
     def communication_data_type(self) -> torch.dtype:
         """The dtype gradients are reduced in: ``communication_data_type`` if the config gives it, else the
         model's (DeepSpeed's rule; fp32 with compressed gradients, whose int8 codes quantise fp32 sums)."""
-        return self.engine_config.communication_torch_dtype
+        return self.schedule.communication_torch_dtype
 
     def memory_breakdown(self) -> Dict[str, Any]:
         """The buffers this rank's engine holds, in bytes and bytes per parameter, by category

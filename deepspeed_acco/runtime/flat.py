@@ -116,14 +116,21 @@ class FlatParamGroup:
             p.data = view
         self.grad_accum = torch.zeros(self.padded_numel, dtype=accumulation_dtype, device=self.device)
         self._accum_views = self._views_of(self.grad_accum)
-        if communication_dtype == accumulation_dtype:
+        self.synchronous = synchronous
+        self.set_communication_dtype(communication_dtype)
+
+    def set_communication_dtype(self, communication_dtype: torch.dtype) -> None:
+        """(Re)allocate the job's gradient snapshot in ``communication_dtype`` and the all-gather output
+        that goes with it; only between jobs (a wire chosen at run time, runtime/wire.py)."""
+        if communication_dtype == self.grad_accum.dtype:
             # Ping-pong with grad_accum: the boundary swaps the two instead of copying.
             self.job_grad = torch.zeros_like(self.grad_accum)
         else:
             self.job_grad = torch.zeros(self.padded_numel, dtype=communication_dtype, device=self.device)
         # Our own all-gather output only when the job's gradient snapshot cannot hold it (another dtype).
-        self.gather_shares_job_grad = not synchronous and self.job_grad.dtype == self.model_dtype
-        self._gather = None if synchronous or self.gather_shares_job_grad else torch.zeros_like(self.model_flat)
+        self.gather_shares_job_grad = not self.synchronous and self.job_grad.dtype == self.model_dtype
+        self._gather = (None if self.synchronous or self.gather_shares_job_grad
+                        else torch.zeros_like(self.model_flat))
 
     @property
     def gather(self):

@@ -1,31 +1,115 @@
-"""Your regime: measured compute and communication per update, and each type's predicted time from the
-bounds of docs/design.md ("Where the time goes"), so a user can read off their own job which
-type would be fastest.
+"""Your regime: measured compute and communication per update, each type's predicted time on each wire
+from the bounds of docs/design.md ("Where the time goes"), and the wire this engine chose from them.
 
-Per update, T_compute is one update's forward + backward + optimizer and T_comm one gradient
-reduce-scatter + parameter all-gather of the model. A synchronous update pays T_compute + T_comm;
-DPU max(T_compute, T_comm); ACCO max(T_compute, 2 T_comm); CO2 max(T_compute, T_comm' / H), where
-T_comm' is its round (it averages fp32 parameters and gathers its fp32 anchor) and H the inner steps
-its averaging may take (``anchor_merge_steps``, or ``local_steps`` under the paper's rule). Rounds in
-other dtypes scale with the bytes they move: bf16 gradients and parameters 2 + 2 bytes per value,
-int8 blocks 1 + 4 / block size each way.
+Per update, T_compute is one update's forward + backward + optimizer and T_job one communication job
+on a given wire (its reduce-scatter, statistics all-reduce and all-gather, plus the quantisation
+kernels' own time on a compressed wire). The bounds per update:
 
-The engine measures T_compute and T_comm on its own jobs (:func:`measure`): the compute part of its
-time breakdown plus the jobs' update phase per update, and the jobs' collectives (reduce-scatter,
-statistics all-reduce, all-gather) per job, scaled to a round of the model. Synchronous updates
-(ShardedAdamW, the synchronous warm-up) measure T_comm cleanly; an overlapped job's collectives
-also hold the time its peers took to launch theirs, which makes T_comm an upper estimate.
+* ShardedAdamW (synchronous ZeRO-1, two passes): T_compute + T_job;
+* DPU: max(T_compute, T_job);
+* ACCO (two jobs per update): max(T_compute, 2 T_job);
+* CO2, whose averaging runs once every ``local_steps`` tau inner steps and may take H of them
+  (``anchor_merge_steps``; the whole round under the paper's rule):
+  T_compute + max(0, T_job - H T_compute) / tau.
+
+A job on another wire moves other bytes: T_job(wire) = T_comm x bytes(wire) / bytes(measured wire)
++ the quantisation kernels' measured time for that wire (:func:`job_seconds`). Bytes per value of
+one job (gradient reduce-scatter + parameter all-gather): uncompressed ZeRO-1 types b_c + b_m (the
+gradient dtype and the model's), CO2 b_c + 4 (displacements in fp32 unless
+``communication_data_type`` says otherwise, anchors gathered in fp32), int8/int4 blocks
+bits / 8 + 4 / block size each way.
+
+The engine measures T_compute and T_comm on its own jobs (:class:`RegimeMonitor`): the compute part
+of its time breakdown (device time on CUDA) plus the jobs' update phase per update, and the jobs'
+collectives per job. Synchronous updates (ShardedAdamW, the synchronous warm-up) measure T_comm
+cleanly; an overlapped job's collectives also hold the time its peers took to launch theirs, which
+makes T_comm an upper estimate.
 """
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
-COMMUNICATION_PHASES = ("reduce_scatter", "all_reduce", "all_gather")
-"""The job phases that are communication (runtime/jobs.py)."""
+COMMUNICATION_PHASES = ("reduce_scatter", "all_reduce", "statistics", "all_gather")
+"""The job phases that are communication (runtime/jobs.py; CO2's outer job calls its all-reduce
+``statistics``)."""
+
+TYPES = ("ShardedAdamW", "DPU", "ACCO", "CO2")
+"""The types the regime predicts, in the order it lists them."""
+
+CO2_DEFAULT_LOCAL_STEPS = 4
+CO2_DEFAULT_AVERAGING_STEPS = 1
+"""CO2's defaults (docs/design.md, 3.5), assumed when another type's engine predicts CO2."""
+
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
+COMPRESSED_BITS = {"int8": 8, "int4": 4}
+
+
+def quantized_bytes(bits: int, block_size: int = 128) -> float:
+    """Bytes per value of a block-quantised message: the codes and an fp32 scale per block."""
+    return bits / 8.0 + 4.0 / block_size
 
 
 def int8_bytes(block_size: int = 128) -> float:
     """Bytes per value of a block-quantised int8 message: one byte, and an fp32 scale per block."""
-    return 1.0 + 4.0 / block_size
+    return quantized_bytes(8, block_size)
+
+
+def round_bytes(type_name: str, wire: str, *, model_dtype: str, block_size: int = 128) -> float:
+    """Bytes per value one job of ``type_name`` moves on ``wire`` (gradient reduce-scatter + parameter
+    all-gather; CO2: displacement reduce-scatter + anchor all-gather)."""
+    if wire in COMPRESSED_BITS:
+        return 2.0 * quantized_bytes(COMPRESSED_BITS[wire], block_size)
+    gathered = 4.0 if type_name.lower() == "co2" else DTYPE_BYTES[model_dtype]
+    return DTYPE_BYTES[wire] + gathered
+
+
+JOBS_PER_UPDATE = {"shardedadamw": 1.0, "dpu": 1.0, "acco": 2.0}
+"""Communication jobs per committed update (CO2: one per ``local_steps`` inner steps)."""
+
+
+def update_wire_bytes(type_name: str, wire: str, num_parameters: int, world_size: int, *, model_dtype: str = "bf16",
+                      local_steps: int = CO2_DEFAULT_LOCAL_STEPS, block_size: int = 128) -> float:
+    """Bytes each rank sends per update (CO2: per inner step) for a model of ``num_parameters`` on
+    ``world_size`` ranks: every job's reduce-scatter and all-gather send (W - 1) / W of the model in
+    their bytes per value (a ring, or the compressed reduce-scatter's all-to-all), padding and
+    headers left out (``engine.wire_bytes_per_job()`` counts them)."""
+    kind = type_name.lower()
+    jobs = 1.0 / max(1, local_steps) if kind == "co2" else JOBS_PER_UPDATE[kind]
+    share = (world_size - 1) / world_size
+    return jobs * share * num_parameters * round_bytes(type_name, wire, model_dtype=model_dtype, block_size=block_size)
+
+
+def update_bound_s(type_name: str, t_compute_s: float, t_job_s: float, *, local_steps: int = CO2_DEFAULT_LOCAL_STEPS,
+                   averaging_steps: int = CO2_DEFAULT_AVERAGING_STEPS) -> float:
+    """A type's bound per update (module docstring) from T_compute and one job's time."""
+    kind = type_name.lower()
+    if kind == "shardedadamw":
+        return t_compute_s + t_job_s
+    if kind == "dpu":
+        return max(t_compute_s, t_job_s)
+    if kind == "acco":
+        return max(t_compute_s, 2.0 * t_job_s)
+    if kind == "co2":
+        return t_compute_s + max(0.0, t_job_s - averaging_steps * t_compute_s) / max(1, local_steps)
+    raise ValueError(f"no bound for optimizer type {type_name!r}; the bounds are for {', '.join(TYPES)}")
+
+
+def job_seconds(t_comm_s: float, measured_bytes: float, bytes_per_value: float, quantization_s: float = 0.0) -> float:
+    """One job's seconds on a wire that moves ``bytes_per_value`` from a job measured at
+    ``measured_bytes`` per value (``t_comm_s``), plus that wire's quantisation kernels."""
+    scale = bytes_per_value / measured_bytes if measured_bytes > 0 else 0.0
+    return t_comm_s * scale + quantization_s
+
+
+def uncompressed_wire(type_name: str, model_dtype: str) -> str:
+    """A type's wire when nothing is compressed and ``communication_data_type`` is not given: the model's
+    dtype (DeepSpeed's rule), fp32 for CO2's parameter averaging."""
+    return "fp32" if type_name.lower() == "co2" else model_dtype
+
+
+def wires_of(type_name: str, model_dtype: str) -> Sequence[str]:
+    """The wires a type may run on by default, least compressed first (ShardedAdamW: its own only)."""
+    first = uncompressed_wire(type_name, model_dtype)
+    return (first, ) if type_name.lower() == "shardedadamw" else (first, "int8", "int4")
 
 
 @dataclass
@@ -34,13 +118,22 @@ class Regime:
 
     t_compute_s: float
     t_comm_s: float
-    """One reduce-scatter + all-gather of the model in this engine's dtypes (``round_bytes`` per value)."""
+    """One job's collectives in this engine's wire (``round_bytes`` per value), as measured."""
     round_bytes: float
-    """Bytes per value one round of this engine moves (gradients + parameters)."""
+    """Bytes per value one job of this engine moves."""
     updates: int
     """Updates the measurement covers."""
     predicted_s: Dict[str, float] = field(default_factory=dict)
-    """Each type's predicted time per update, from the bounds (module docstring)."""
+    """Each type on each wire: its predicted time per update, from the bounds (module docstring),
+    named "ACCO (int8)"; ShardedAdamW on its own wire only."""
+    quantization_s: Dict[str, float] = field(default_factory=dict)
+    """Measured seconds of one job's quantisation kernels per compressed wire ("int8", "int4")."""
+    wire: Optional[Dict[str, Any]] = None
+    """The wire this engine runs on from the decision on (:class:`~deepspeed_acco.runtime.wire.WireChoice`
+    as plain data: ``wire``, ``reason``, ``predicted_s``, ``extra_bytes``, ``decided_at_update``, ...)."""
+    type_name: str = ""
+    wire_name: str = ""
+    """The wire the measurement was taken on."""
 
     @property
     def communication_share(self) -> float:
@@ -50,41 +143,56 @@ class Regime:
 
     @property
     def fastest(self) -> str:
-        """The type predicted fastest per update; types within 1% of it are named with it ("DPU, ACCO":
-        where the communication hides under compute, every overlapped type is at T_compute)."""
+        """The configuration predicted fastest per update; those within 1% of it are named with it
+        ("DPU (bf16), ACCO (bf16), ...": where communication hides, every overlapped type is at T_compute)."""
         best = min(self.predicted_s.values())
         return ", ".join(name for name, seconds in self.predicted_s.items() if seconds <= 1.01 * best)
 
     def describe(self, type_name: str) -> str:
-        synchronous = self.predicted_s["ShardedAdamW"]
+        synchronous = self.predicted_s.get("ShardedAdamW") or min(self.predicted_s.values())
         ratios = ", ".join(f"{name} {1e3 * seconds:.0f} ms ({seconds / synchronous:.2f}x)"
                            for name, seconds in self.predicted_s.items())
-        return (f"{type_name}: your regime, measured over {self.updates} updates: compute {1e3 * self.t_compute_s:.0f} ms "
-                f"and communication {1e3 * self.t_comm_s:.0f} ms per update, so communication is "
-                f"{self.communication_share:.0%} of a synchronous update. Predicted per update from the bounds "
-                f"(docs/design.md, \"Where the time goes\"; times against a synchronous update): {ratios}. Fastest: "
-                f"{self.fastest} (per update; the loss per update differs between types: docs/results.md)")
+        quantization = "".join(f"; the {name} kernels {1e3 * seconds:.1f} ms per job"
+                               for name, seconds in self.quantization_s.items())
+        text = (f"{type_name}: your regime, measured over {self.updates} updates on the {self.wire_name} wire "
+                f"(the slowest rank's figures): compute {1e3 * self.t_compute_s:.0f} ms and communication "
+                f"{1e3 * self.t_comm_s:.0f} ms per update, so communication is {self.communication_share:.0%} of a "
+                f"synchronous update{quantization}. Predicted per update from the bounds (docs/design.md, \"Where "
+                f"the time goes\"; times against ShardedAdamW): {ratios}. Fastest: {self.fastest} (per update; the "
+                f"loss per update differs between types: docs/results.md)")
+        if self.wire is not None:
+            text += f". {self.wire['message']}"
+        return text
 
 
-def predict(t_compute_s: float, t_comm_s: float, *, round_bytes: float, model_bytes: float,
-            communication_bytes: float, co2_merge_steps: int = 1, block_size: int = 128) -> Dict[str, float]:
-    """Each type's predicted seconds per update from T_compute and T_comm (measured in a round of
-    ``round_bytes`` per value): synchronous types with gradients in ``communication_bytes`` and
-    parameters in ``model_bytes``, ACCO also with int8 communication, CO2 with fp32 parameters and
-    ``co2_merge_steps`` inner steps to average in."""
-    per_byte = t_comm_s / round_bytes if round_bytes > 0 else 0.0
-    ours = per_byte * (communication_bytes + model_bytes)
-    int8 = per_byte * 2 * int8_bytes(block_size)
-    co2 = per_byte * 8.0 / max(1, co2_merge_steps)
-    return {"ShardedAdamW": t_compute_s + ours, "DPU": max(t_compute_s, ours), "ACCO": max(t_compute_s, 2 * ours),
-            "ACCO with int8 communication": max(t_compute_s, 2 * int8), "CO2": max(t_compute_s, co2)}
+def predict(t_compute_s: float, t_comm_s: float, *, measured_bytes: float, model_dtype: str,
+            communication_dtype: Optional[str] = None, quantization_s: Optional[Dict[str, float]] = None,
+            block_size: int = 128, co2_local_steps: int = CO2_DEFAULT_LOCAL_STEPS,
+            co2_averaging_steps: int = CO2_DEFAULT_AVERAGING_STEPS) -> Dict[str, float]:
+    """Every type's predicted seconds per update on each of its wires (:func:`wires_of`), from T_compute
+    and one job's T_comm measured at ``measured_bytes`` per value. ``communication_dtype``: the gradient
+    dtype of the ZeRO-1 types' uncompressed wire (default: the model's); ``quantization_s``: measured
+    seconds of one job's quantisation kernels per compressed wire (0 where not given)."""
+    quantization_s = quantization_s or {}
+    predicted = {}
+    for type_name in TYPES:
+        for wire in wires_of(type_name, model_dtype):
+            if wire == model_dtype and communication_dtype is not None and type_name.lower() != "co2":
+                wire = communication_dtype
+            t_job = job_seconds(t_comm_s, measured_bytes, round_bytes(type_name, wire, model_dtype=model_dtype,
+                                                                        block_size=block_size),
+                                quantization_s.get(wire, 0.0))
+            name = type_name if type_name == "ShardedAdamW" else f"{type_name} ({wire})"
+            predicted[name] = update_bound_s(type_name, t_compute_s, t_job, local_steps=co2_local_steps,
+                                             averaging_steps=co2_averaging_steps)
+    return predicted
 
 
-def measure(before: Dict[str, float], after: Dict[str, float], updates: int, *, round_bytes: float,
-            model_bytes: float, communication_bytes: float, co2_merge_steps: int = 1,
-            block_size: int = 128) -> Optional[Regime]:
-    """The regime between two snapshots of the engine's time breakdown (``engine.time_breakdown()``)
-    ``updates`` updates apart; None if no job finished in between."""
+def measured_window(before: Dict[str, float], after: Dict[str, float], updates: int, *,
+                    compute_key: str = "compute") -> Optional[tuple]:
+    """(T_compute, T_comm per job) between two snapshots of the time breakdown ``updates`` updates
+    apart, or None if no job that crossed the network finished in between. ``compute_key``: the
+    breakdown's compute part ("device_compute" on CUDA)."""
     jobs = after.get("jobs", 0) - before.get("jobs", 0)
     if updates <= 0 or jobs <= 0:
         return None
@@ -93,61 +201,78 @@ def measure(before: Dict[str, float], after: Dict[str, float], updates: int, *, 
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     t_comm = sum(delta(f"job_{name}_s") for name in COMMUNICATION_PHASES) / jobs
-    t_compute = (delta("compute") + delta("job_update_s")) / updates
+    t_compute = (delta(compute_key) + delta("job_update_s")) / updates
+    return t_compute, t_comm
+
+
+def measure(before: Dict[str, float], after: Dict[str, float], updates: int, *, round_bytes: float,
+            model_bytes: float, communication_bytes: float, co2_merge_steps: int = 1,
+            block_size: int = 128) -> Optional[Regime]:
+    """The regime between two snapshots of the engine's time breakdown ``updates`` updates apart (the
+    predictions for the ZeRO-1 types' wire in ``communication_bytes``); None if no job finished."""
+    window = measured_window(before, after, updates)
+    if window is None:
+        return None
+    t_compute, t_comm = window
+    names = {4.0: "fp32", 2.0: "bf16"}
     regime = Regime(t_compute_s=t_compute, t_comm_s=t_comm, round_bytes=round_bytes, updates=updates)
-    regime.predicted_s = predict(t_compute, t_comm, round_bytes=round_bytes, model_bytes=model_bytes,
-                                 communication_bytes=communication_bytes, co2_merge_steps=co2_merge_steps,
-                                 block_size=block_size)
+    regime.predicted_s = predict(t_compute, t_comm, measured_bytes=round_bytes, model_dtype=names[model_bytes],
+                                 communication_dtype=names[communication_bytes], block_size=block_size,
+                                 co2_averaging_steps=co2_merge_steps)
     return regime
 
 
-REGIME_UPDATES = 5
-"""Updates the regime is measured over when there is no synchronous warm-up to measure it in (it is
-logged after the first update plus these, or at the end of a warm-up of at least 3 updates)."""
+DECISION_UPDATES = 4
+"""Updates the regime (and the wire choice) is measured over, after the first one: a synchronous
+warm-up of at least this many updates measures it cleanly (docs/design.md, "The wire")."""
+
+DECISION_JOBS = 2
+"""Jobs that crossed the network the measurement needs at least (CO2 averages once per round)."""
 
 
 class RegimeMonitor:
-    """The engine's side: a window of updates after the first one, measured and logged once at its
-    end (the synchronous warm-up when it lasts at least 3 updates, else :data:`REGIME_UPDATES` updates)."""
+    """A window of updates after the first one (:data:`DECISION_UPDATES` updates holding at least
+    :data:`DECISION_JOBS` network jobs), measured once at its end; the schedule then agrees on the
+    figures with the other ranks, predicts, chooses the wire (runtime/wire.py) and logs it once."""
 
-    def __init__(self, config):
-        sizes = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
-        self.type_name = config.optimizer_type
-        self.model_bytes = sizes[config.precision]
-        self.communication_bytes = sizes[config.communication_dtype]
-        self.block_size = config.compression.format.block_size
-        compressed = int8_bytes(self.block_size)
-        if self.type_name.lower() == "co2":  # its jobs average fp32 parameters (docs/design.md, 3.5)
-            self.round_bytes = 8.0
-        else:
-            self.round_bytes = ((compressed if config.compression.gradients else self.communication_bytes)
-                                + (compressed if config.compression.weights else self.model_bytes))
-        self.co2_merge_steps = config.params.averaging_steps if self.type_name.lower() == "co2" else 1
-        """Inner steps CO2's averaging may take: this engine's own if it is a CO2 one, else CO2's
-        default (the eager merge's one step)."""
+    def __init__(self, compute_key: str = "compute"):
+        self.compute_key = compute_key
         self._start: Optional[tuple] = None
-        self._logged: Optional[Regime] = None
+        self.logged: Optional[Regime] = None
+        """The regime measured at the window's end (with the wire choice), once decided."""
 
-    def _measure(self, steps: int, breakdown: Dict[str, float]) -> Optional[Regime]:
+    @property
+    def decided(self) -> bool:
+        return self.logged is not None
+
+    def started(self, steps: int, breakdown: Dict[str, float]) -> bool:
+        """Start the window after the first update; whether it had started before this call."""
+        if self._start is None:
+            if steps >= 1:
+                self._start = (steps, dict(breakdown))
+            return False
+        return True
+
+    def window(self, steps: int, breakdown: Dict[str, float]) -> Optional[tuple]:
+        """(updates, T_compute, T_comm) so far, or None before the window has a job."""
         if self._start is None:
             return None
         start_steps, before = self._start
-        return measure(before, breakdown, steps - start_steps, round_bytes=self.round_bytes,
-                       model_bytes=self.model_bytes, communication_bytes=self.communication_bytes,
-                       co2_merge_steps=self.co2_merge_steps, block_size=self.block_size)
+        measured = measured_window(before, breakdown, steps - start_steps, compute_key=self.compute_key)
+        return None if measured is None else (steps - start_steps, *measured)
 
-    def regime(self, steps: int, breakdown: Dict[str, float]) -> Optional[Regime]:
-        """The logged regime, or before it is logged the one of the updates so far."""
-        return self._logged if self._logged is not None else self._measure(steps, breakdown)
+    def complete(self, steps: int, breakdown: Dict[str, float]) -> bool:
+        """Whether the window is over: the same answer on every rank (update counts and the network
+        jobs waited for are the same everywhere)."""
+        if not self.started(steps, breakdown) or self.decided:
+            return False
+        start_steps, before = self._start
+        jobs = breakdown.get("jobs", 0) - before.get("jobs", 0)
+        return steps - start_steps >= DECISION_UPDATES and jobs >= DECISION_JOBS
 
-    def note(self, steps: int, breakdown: Dict[str, float], warmup_sync_updates: int) -> str:
-        """After a commit (``steps`` committed): the message to log once, else ''."""
-        if self._start is None:
-            self._start = (steps, dict(breakdown))
-            return ""
-        end = warmup_sync_updates if warmup_sync_updates >= 3 else self._start[0] + REGIME_UPDATES
-        if self._logged is not None or steps < end:
-            return ""
-        self._logged = self._measure(steps, breakdown)
-        return self._logged.describe(self.type_name) if self._logged is not None else ""
-
+    def no_network(self, steps: int, breakdown: Dict[str, float]) -> bool:
+        """Whether the window is over without a single job that crossed the network (one rank)."""
+        if self._start is None or self.decided:
+            return False
+        start_steps, before = self._start
+        return steps - start_steps >= DECISION_UPDATES and breakdown.get("jobs", 0) == before.get("jobs", 0)

@@ -25,13 +25,15 @@ from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Type
 import torch
 
 from .comm import Communicator, CompletedWork, ControlPlane, Lane, Work
-from .compression import (GroupCompression, check_group_compressions, group_compressions, load_group_compressions,
-                          wire_bytes)
+from . import wire as wires
+from .compression import (CompressionConfig, GroupCompression, QuantizationFormat, check_group_compressions,
+                          group_compressions, load_group_compressions, wire_bytes)
 from .flat import FlatParamGroup
 from .jobs import ADAMW, JobKind, JobResult, ShardState, ShardUpdateJob, UpdateRule
 from .loss_scale import LossScale
 from .optimizer import ShardedOptimizer
 from .progress import Progress
+from .regime import Regime, RegimeMonitor, job_seconds, predict, round_bytes, uncompressed_wire, wires_of
 from .registry import lookup
 from .timeline import TimeBreakdown
 from .warmup import warmup_after_resume
@@ -221,7 +223,7 @@ class Schedule:
         self.recent_wait_s = collections.deque(maxlen=_RECENT_WAITS)
         """Blocked seconds of each recent boundary (one entry per boundary)."""
         self._boundary_wait_s = 0.0
-        self.time = TimeBreakdown()
+        self.time = TimeBreakdown(cuda=context.device.type == "cuda")
         """Where the training thread's time goes (runtime/timeline.py): the engine counts forward and
         backward, the schedule its waits and boundaries."""
         self.on_commit: Optional[Callable[[JobResult], None]] = None
@@ -229,6 +231,20 @@ class Schedule:
         self.compression: Optional[List[GroupCompression]] = group_compressions(
             config.compression, communicator, [flat.padded_numel for flat in self.flats], context.device)
         """Per group, the compressed collectives of this schedule's jobs (None: uncompressed)."""
+        self.device = context.device
+        self.precision = config.precision
+        self.wire_mode = config.wire
+        """"auto" (chosen once from the measurements, runtime/wire.py) or the wire the config fixes."""
+        self.wire_name = (uncompressed_wire(self.type_name, config.precision) if config.wire == wires.AUTO
+                          else config.wire)
+        """The wire the jobs run on now."""
+        self.block_size = int(getattr(self.params, "quantization_block_size", 128))
+        self.wire_choice: Optional[wires.WireChoice] = None
+        """What "auto" decided (None before the decision, or with a fixed wire)."""
+        self.regime_monitor = RegimeMonitor(compute_key="device_compute" if context.device.type == "cuda"
+                                            else "compute")
+        self.regime_log: Optional[str] = None
+        """The regime and wire message waiting for the engine to log it (once)."""
 
     # ---- synchronous warm-up ------------------------------------------------------------------
     @property
@@ -524,8 +540,156 @@ class Schedule:
     def _account_commit(self, result: JobResult) -> None:
         account_commit(result, self.progress, self.loss_scale, self.lr_scheduler,
                        samples_of_commit=self._commit_samples(result), schedule_skipped=self.schedule_skipped_steps)
+        self.decide_wire()
         if self.on_commit is not None:
             self.on_commit(result)
+
+    # ---- the regime and the wire (runtime/regime.py, runtime/wire.py) -------------------------
+    def network_communicator(self) -> Communicator:
+        """The communicator whose jobs cross the network (CO2: the outer averaging's)."""
+        return self.communicator
+
+    def co2_steps(self) -> Dict[str, int]:
+        """CO2's local_steps and averaging steps for the predictions (its defaults for other types)."""
+        return {}
+
+    def regime(self) -> Optional[Regime]:
+        """The regime decided at the end of the measurement window, or before that the one so far."""
+        monitor = self.regime_monitor
+        if monitor.logged is not None:
+            return monitor.logged
+        window = monitor.window(self.progress.global_steps, self.time.snapshot())
+        if window is None:
+            return None
+        updates, t_compute, t_comm = window
+        return self._regime(updates, t_compute, t_comm, {})
+
+    def measured_round_bytes(self) -> float:
+        """Bytes per value one job of this schedule moves now (its wire; ZeRO++'s one-sided keys included)."""
+        if self.wire_name in wires.WIRES:
+            return round_bytes(self.type_name, self.wire_name, model_dtype=self.precision, block_size=self.block_size)
+        flat, compression = self.flats[0], (self.compression or [None])[0]
+        gradient = (compression.gradients.fmt.bytes_per_value if compression is not None and compression.gradients
+                    is not None else flat.job_grad.dtype.itemsize)
+        parameter = (compression.weights.fmt.bytes_per_value if compression is not None and compression.weights
+                     is not None else flat.model_dtype.itemsize)
+        return float(gradient + parameter)
+
+    def _regime(self, updates: int, t_compute: float, t_comm: float, quantization_s: Dict[str, float]) -> Regime:
+        measured = self.measured_round_bytes()
+        if self.wire_name in wires.COMPRESSED:  # the measured collectives held this wire's kernels
+            t_comm = max(0.0, t_comm - quantization_s.get(self.wire_name, 0.0))
+        communication = self.wire_name if self.wire_name in wires.UNCOMPRESSED and self.type_name != "CO2" else None
+        predicted = predict(t_compute, t_comm, measured_bytes=measured, model_dtype=self.precision,
+                            communication_dtype=communication, quantization_s=quantization_s,
+                            block_size=self.block_size, **self.co2_steps())
+        return Regime(t_compute_s=t_compute, t_comm_s=t_comm, round_bytes=measured, updates=updates,
+                      predicted_s=predicted, quantization_s=dict(quantization_s), type_name=self.type_name,
+                      wire_name=self.wire_name)
+
+    def decide_wire(self) -> None:
+        """At the end of the measurement window, between jobs: agree on the figures with every rank,
+        predict, choose the wire under "auto" (runtime/wire.py) and keep the message for the log.
+        Every rank calls it at the same points with the same answer to whether the window is over."""
+        monitor = self.regime_monitor
+        if monitor.decided or self.running is not None or self.network_communicator().world_size == 1:
+            return
+        steps = self.progress.global_steps
+        breakdown = self.time.snapshot()
+        if not monitor.complete(steps, breakdown):
+            return
+        updates, t_compute, t_comm = monitor.window(steps, self.time.snapshot(wait_for_device=True))
+        compressed = list(wires.COMPRESSED)
+        quantization, extra, fits = {}, {}, {}
+        free = wires.free_memory_bytes(self.device)
+        numels = [flat.padded_numel for flat in self.flats]
+        members = self.network_communicator().world_size
+        for name in compressed:
+            bits = wires.bits_of(name)
+            quantization[name] = wires.quantization_job_s(bits, self.block_size, numels, members, self.device)
+            extra[name] = self.wire_extra_bytes(bits)
+            fits[name] = wires.fits_in_memory(extra[name], free)
+        agreed = wires.agree(self.control, wires.WireDecision(t_compute_s=t_compute, t_comm_s=t_comm,
+                                                              quantization_s=quantization, extra_bytes=extra,
+                                                              fits=fits), compressed)
+        regime = self._regime(updates, agreed.t_compute_s, agreed.t_comm_s, agreed.quantization_s)
+        if self.wire_mode == wires.AUTO:
+            candidates = wires_of(self.type_name, self.precision)
+            own = {name: regime.predicted_s[f"{self.type_name} ({name})"] for name in candidates}
+            name, reason, refused = wires.choose(own, candidates, fits=agreed.fits)
+            choice = wires.WireChoice(wire=name, reason=reason, decided_at_update=steps, measured_wire=self.wire_name,
+                                      t_compute_s=agreed.t_compute_s, t_comm_s=agreed.t_comm_s, predicted_s=own,
+                                      quantization_s=agreed.quantization_s, extra_bytes=agreed.extra_bytes,
+                                      refused_for_memory=refused, type_name=self.type_name,
+                                      num_parameters=sum(flat.numel for flat in self.flats))
+            if name != self.wire_name:
+                self.switch_wire(name)
+            self.wire_choice = choice
+            regime.wire = choice.as_dict()
+        monitor.logged = regime
+        self.regime_log = regime.describe(self.type_name)
+
+    def wire_extra_bytes(self, bits: int) -> int:
+        """Bytes per rank the buffers of a ``bits`` wire would add to this schedule's."""
+        flat = self.flats[0]
+        return wires.compression_extra_bytes([f.padded_numel for f in self.flats], self.communicator.world_size, bits,
+                                             self.block_size, model_bytes=flat.model_dtype.itemsize,
+                                             communication_bytes=flat.job_grad.dtype.itemsize,
+                                             gather_shared=flat.gather_shares_job_grad)
+
+    def switch_wire(self, name: str) -> None:
+        """Run the jobs on the compressed wire ``name`` from now on: its buffers are allocated here
+        (fp32 gradient snapshot and reduced shard, residual, packed buffers). Between jobs only."""
+        bits = wires.bits_of(name)
+        assert bits is not None and self.running is None, "a wire is switched between jobs, to a compressed one"
+        config = CompressionConfig(gradients=True, weights=True,
+                                   format=QuantizationFormat(bits=bits, block_size=self.block_size))
+        for flat, shard in zip(self.flats, self.shards):
+            flat.set_communication_dtype(torch.float32)
+            shard.reduced = torch.zeros(flat.shard_numel, dtype=torch.float32, device=flat.device)
+        self.compression = group_compressions(config, self.communicator, [flat.padded_numel for flat in self.flats],
+                                              self.device)
+        self.wire_name = name
+
+    @property
+    def communication_torch_dtype(self) -> torch.dtype:
+        """The dtype of the gradient snapshot the jobs reduce (fp32 on a compressed wire)."""
+        return self.flats[0].job_grad.dtype
+
+    def wire_state(self) -> Dict[str, Any]:
+        """The wire in plain data, for checkpoints."""
+        return {"mode": self.wire_mode, "wire": self.wire_name,
+                "choice": None if self.wire_choice is None else self.wire_choice.as_dict()}
+
+    def restore_wire(self, saved: Optional[Dict[str, Any]]) -> None:
+        """A resumed "auto" run keeps the wire its checkpoint chose (before residuals are loaded); a
+        checkpoint written before the choice leaves it to be made again. A fixed wire stays fixed."""
+        if not saved or self.wire_mode != wires.AUTO or not saved.get("choice"):
+            return
+        choice = wires.WireChoice.from_dict(saved["choice"])
+        if choice.wire != self.wire_name and self.running is None:
+            self.switch_wire(choice.wire)
+        self.wire_choice = choice
+        self.regime_monitor.logged = Regime(t_compute_s=choice.t_compute_s, t_comm_s=choice.t_comm_s,
+                                            round_bytes=0.0, updates=0, predicted_s=dict(choice.predicted_s),
+                                            quantization_s=dict(choice.quantization_s), wire=choice.as_dict(),
+                                            type_name=self.type_name, wire_name=choice.measured_wire)
+        self.regime_log = (f"{self.type_name}: resumed on the {choice.wire} wire its checkpoint chose at update "
+                           f"{choice.decided_at_update} ({choice.reason})")
+
+    def fix_wire_from_environment(self) -> None:
+        """Under "auto", :data:`~deepspeed_acco.runtime.wire.ENVIRONMENT` fixes the wire for the whole run
+        (called by the builder once the schedule is complete)."""
+        fixed = wires.environment_wire()
+        if self.wire_mode != wires.AUTO or fixed is None:
+            return
+        if fixed != "uncompressed" and self.network_communicator().world_size > 1:
+            self.switch_wire(fixed)
+        self.wire_mode = self.wire_name
+
+    def take_regime_log(self) -> Optional[str]:
+        message, self.regime_log = self.regime_log, None
+        return message
 
     def committed_view(self):
         """(progress, loss scale, LR-scheduler state, param-group lrs) as if the pending commit were installed.
@@ -613,7 +777,8 @@ class Schedule:
     def checkpoint_state(self) -> CheckpointState:
         """This rank's state after ``synchronize()`` (ShardedAdamW, DPU and ACCO; CO2 overrides)."""
         meta = {"phase": self.phase.value, "round_micro_batches": self.round_micro_batches,
-                "round_loss_scale": self.round_loss_scale, "jobs_launched": self.jobs_launched, "pending": None}
+                "round_loss_scale": self.round_loss_scale, "jobs_launched": self.jobs_launched, "pending": None,
+                "wire": self.wire_state()}
         local = {}
         if self.round_micro_batches:
             local["grad_accum"] = [flat.unpadded(flat.grad_accum).clone() for flat in self.flats]
@@ -649,6 +814,7 @@ class Schedule:
         """
         meta = state.meta
         self.reset()
+        self.restore_wire(meta.get("wire"))
         self.phase = self.Phase(meta["phase"])
         self.jobs_launched = int(meta.get("jobs_launched", 0))
         if meta["round_micro_batches"]:
@@ -703,7 +869,25 @@ class Schedule:
             if kind is JobKind.ESTIMATE and "estimate" not in state.sharded:
                 raise ValueError("an estimate job is pending but its output ('estimate') is missing")
         check_group_compressions(self.compression, state.local.get("compression"))
+        self.check_wire_state(meta.get("wire"), state.local.get("compression"))
         self.check_type_state(state)
+
+    def check_wire_state(self, saved: Optional[Dict[str, Any]], compressions: Optional[List[Dict]]) -> None:
+        """Raise ``ValueError`` if :meth:`restore_wire` could not take a checkpoint's wire: a choice that
+        names no wire, or residuals whose size does not fit the buffers the choice would allocate here."""
+        choice = (saved or {}).get("choice")
+        if not choice or self.wire_mode != wires.AUTO:
+            return
+        if choice.get("wire") not in wires.WIRES:
+            raise ValueError(f"the checkpoint's wire choice names {choice.get('wire')!r}, not one of "
+                             f"{', '.join(wires.WIRES)}")
+        members = self.network_communicator().world_size
+        for index, (flat, entry) in enumerate(zip(self.flats, compressions or [])):
+            residual = ((entry or {}).get("gradients") or {}).get("residual")
+            expected = (members - 1) * (flat.padded_numel // members)
+            if residual is not None and getattr(residual, "numel", lambda: -1)() != expected:
+                raise ValueError(f"compression[{index}]'s residual has {residual.numel()} values; the {choice['wire']} "
+                                 f"wire on {members} ranks holds {expected}")
 
     def check_type_state(self, state: CheckpointState) -> None:
         """The type's part of :meth:`check_checkpoint_state` (what its :meth:`load_type_state` reads)."""

@@ -94,10 +94,44 @@ class Timeline:
             return list(self._events or ())
 
 
-class TimeBreakdown:
-    """Cumulative seconds of the training thread per part (:data:`PARTS`), and its :class:`Timeline`."""
+class DeviceTime:
+    """Device time of the compute on CUDA: event pairs recorded around forward and backward on the current
+    stream, summed once they are complete, so that reading them never waits unless asked to."""
 
     def __init__(self):
+        self.seconds = 0.0
+        self._pending: Deque[tuple] = collections.deque()
+
+    def start(self):
+        import torch
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started) -> None:
+        import torch
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._pending.append((started, event))
+
+    def collect(self, wait: bool = False) -> float:
+        """Add the finished pairs (all of them with ``wait``: waits for the last one) and return the sum."""
+        if wait and self._pending:
+            self._pending[-1][1].synchronize()
+        while self._pending and self._pending[0][1].query():
+            started, ended = self._pending.popleft()
+            self.seconds += started.elapsed_time(ended) / 1e3
+        return self.seconds
+
+
+class TimeBreakdown:
+    """Cumulative seconds of the training thread per part (:data:`PARTS`), and its :class:`Timeline`.
+
+    With ``cuda`` the compute is also timed on the device (:class:`DeviceTime`): the snapshot's
+    ``device_compute``, what the regime measures on CUDA, where the host only launches kernels."""
+
+    def __init__(self, cuda: bool = False):
+        self.device_time: Optional[DeviceTime] = DeviceTime() if cuda else None
         self.seconds: Dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.timeline = Timeline()
         self.job_phase_s: Dict[str, float] = {}
@@ -138,25 +172,32 @@ class TimeBreakdown:
                 for name, span_start, span_end in spans:
                     timeline.add(Timeline.COMMUNICATION, name, span_start, span_end, job=label)
 
-    def snapshot(self) -> Dict[str, float]:
-        """The parts' seconds, and the jobs' (``jobs``, ``job_s``, ``job_<phase>_s``)."""
+    def snapshot(self, wait_for_device: bool = False) -> Dict[str, float]:
+        """The parts' seconds, and the jobs' (``jobs``, ``job_s``, ``job_<phase>_s``); on CUDA also
+        ``device_compute`` (the finished part of it, or all of it with ``wait_for_device``)."""
         values = dict(self.seconds, jobs=self.jobs, job_s=self.job_s)
+        if self.device_time is not None:
+            values["device_compute"] = self.device_time.collect(wait_for_device)
         values.update({f"job_{name}_s": seconds for name, seconds in self.job_phase_s.items()})
         return values
 
 
 class _Timed:
-    __slots__ = ("breakdown", "part", "name", "start")
+    __slots__ = ("breakdown", "part", "name", "start", "device_start")
 
     def __init__(self, breakdown: TimeBreakdown, part: str, name: Optional[str]):
         self.breakdown, self.part, self.name = breakdown, part, name
 
     def __enter__(self):
+        device_time = self.breakdown.device_time
+        self.device_start = device_time.start() if device_time is not None and self.part == "compute" else None
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.breakdown.add(self.part, self.start, time.perf_counter(), self.name)
+        if self.device_start is not None:
+            self.breakdown.device_time.stop(self.device_start)
         return False
 
 

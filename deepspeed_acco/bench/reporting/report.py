@@ -15,6 +15,13 @@ from typing import Dict, List, Optional, Sequence
 
 from ..workload.methods import BASELINE, co2_overlap_steps, METHODS, parse_variant
 
+TARGET_RESOLUTION = 0.02
+"""Near the target loss a run is evaluated every this share of ``--updates`` (at least every update), so
+that time to target resolves 2% and not the grid of ``--eval-every`` (running/train.py, TargetWatch)."""
+
+MIN_TARGET_MARGIN = 0.005
+"""Dense evaluation starts at the latest within this relative distance above the target."""
+
 
 @dataclass
 class RunResult:
@@ -167,6 +174,25 @@ class RunResult:
         return _median(walls)
 
     @property
+    def wire(self) -> Optional[dict]:
+        """What our engine's wire was (runtime/wire.py): ``start`` (the measured wire), ``wire`` (the one
+        of the rest of the run), ``from_update`` and ``reason`` of an automatic choice; None for DeepSpeed's
+        engine and runs recorded before the choice existed."""
+        regime = self._first.get("regime") or {}
+        if not regime or "wire_now" not in regime:
+            return None
+        choice = regime.get("wire") or {}
+        return dict(start=regime.get("measured_wire"), wire=choice.get("wire", regime.get("wire_now")),
+                    from_update=choice.get("decided_at_update"), reason=choice.get("reason"),
+                    predicted_s=choice.get("predicted_s") or {}, extra_bytes=(choice.get("extra_bytes") or {}).get(
+                        choice.get("wire"), 0))
+
+    @property
+    def target_resolution_updates(self) -> Optional[int]:
+        """Updates between evaluations near the target (the time-to-target resolution)."""
+        return self._first.get("target_resolution_updates")
+
+    @property
     def final_update(self) -> int:
         return min(s.get("final_update", s["updates"]) for s in self.summaries.values())
 
@@ -304,6 +330,7 @@ def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[di
                    final_update=r.final_update, last_val_loss=None if is_compute else r.last_val[1],
                    eval_s=max(s.get("eval_s", 0.0) for s in r.summaries.values()),
                    warmup_sync_updates=r._first.get("warmup_sync_updates") or 0,
+                   wire=None if is_compute else r.wire,
                    breakdown=[dict(rank=rank, **s["breakdown_ms"]) for rank, s in sorted(r.summaries.items())
                               if s.get("breakdown_ms")],
                    job_ms=r._first.get("job_ms"))
@@ -416,8 +443,8 @@ TTT_NOTES = (
     "Time to target: every method trains with the same hyper-parameters and LR schedule (horizon --updates; "
     "beyond it the lr stays at its floor) until an evaluation of the fixed validation windows (every --eval-every "
     "updates, clock paused) is at or below the target, or --max-updates. updates/time to target: the first such "
-    "evaluation (time resolution: one evaluation interval); speedup vs ZeRO-1: ZeRO-1's time to target over the "
-    "method's.")
+    "evaluation; near the target (within 1.5 times the largest drop between two evaluations) every 2% of --updates "
+    "(the resolution the table's heading states); speedup vs ZeRO-1: ZeRO-1's time to target over the method's.")
 
 TABLE_NOTES = (
     "Equal samples for every method (same updates x global batch). wall = training only (after initialize and a "
@@ -525,29 +552,119 @@ def probe_round_bits(method: str, n_params: int, world_size: int, precision: str
     return all_reduce + comm_round_seconds(n_params, world_size, 1.0, 0.0, param_bytes=param, nodes=nodes)
 
 
+def wire_comm_bytes(method: str, wire: str, precision: str) -> tuple:
+    """Bytes per value of (gradient reduce-scatter, parameter all-gather) for our ``method`` on ``wire``
+    (runtime/wire.py): a compressed wire's blocks both ways; a dtype for the gradients with the model's
+    dtype for the parameters (CO2 averages and gathers fp32 parameters, or the dtype named)."""
+    from deepspeed_acco.runtime.regime import COMPRESSED_BITS, quantized_bytes
+    if wire in COMPRESSED_BITS:
+        q = quantized_bytes(COMPRESSED_BITS[wire])
+        return q, q
+    dtype = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}[wire]
+    if parse_variant(method).method.name == "co2":
+        return dtype, 4.0
+    return dtype, (2.0 if precision == "bf16" else 4.0)
+
+
+def co2_local_steps(method: str, local_steps: Optional[int] = None) -> int:
+    """CO2's tau for ``method``: its modifiers, else --local-steps, else the engine's default."""
+    from deepspeed_acco.runtime.optimizers.co2 import CO2Params
+    for m in parse_variant(method).modifiers:
+        if "local_steps" in m.config.get("optimizer", {}).get("params", {}):
+            return int(m.config["optimizer"]["params"]["local_steps"])
+    return int(local_steps) if local_steps is not None else int(CO2Params.local_steps)
+
+
 def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Optional[int] = None,
-                  gap_penalty=None, *, sync_updates: int = 0, updates: int = 0) -> Optional[float]:
-    """Lower bound on the per-update time: overlapped methods max(T_compute, k T_comm) (ACCO k = 2,
-    DPU 1, CO2 1/H: the inner steps its averaging must fit in, :func:`methods.co2_overlap_steps`);
-    the others T_compute + T_comm. ``local_steps``, ``gap_penalty``: --local-steps, --gap-penalty
-    (None: the engine's default). An overlapped method whose first ``sync_updates`` of ``updates``
-    updates were synchronous (``warmup_sync_updates``) is bounded by the mean over them: those
-    updates pay T_compute + T_comm."""
+                  gap_penalty=None, *, sync_updates: int = 0, updates: int = 0, t_comm_after: Optional[float] = None,
+                  switch_update: Optional[int] = None) -> Optional[float]:
+    """Lower bound on the mean per-update time (docs/design.md, "Where the time goes"), T_comm being one
+    job of the method: DPU max(T_compute, T_comm), ACCO max(T_compute, 2 T_comm), CO2 T_compute +
+    max(0, T_comm - H T_compute) / tau (its averaging, once every tau = local_steps inner steps, may take
+    H of them: :func:`methods.co2_overlap_steps`), synchronous methods T_compute + T_comm (for
+    DeepSpeed's, ``t_comm`` already counts its passes). The first ``sync_updates`` of ``updates``
+    (``warmup_sync_updates``) pay T_compute + T_comm; from ``switch_update`` on (a wire chosen during
+    the run) T_comm is ``t_comm_after``."""
     variant = None if method == "compute" else parse_variant(method)
     spec = METHODS["compute"] if variant is None else variant.method
     if spec.optimizer is None:
         return t_compute
     if not spec.overlapped:
         return t_compute + t_comm
-    if spec.name == "co2":
-        k = 1.0 / max(co2_overlap_steps(method, local_steps, gap_penalty), 1)
-    else:
-        k = spec.comm_jobs
-    overlapped = max(t_compute, k * t_comm)
-    synchronous = min(max(sync_updates, 0), updates) if updates > 0 else 0
-    if not synchronous:
-        return overlapped
-    return (synchronous * (t_compute + t_comm) + (updates - synchronous) * overlapped) / updates
+
+    def overlapped(comm: float) -> float:
+        if spec.name == "co2":
+            hide = max(co2_overlap_steps(method, local_steps, gap_penalty), 1)
+            return t_compute + max(0.0, comm - hide * t_compute) / max(1, co2_local_steps(method, local_steps))
+        return max(t_compute, spec.comm_jobs * comm)
+
+    if updates <= 0:
+        return overlapped(t_comm if t_comm_after is None else t_comm_after)
+    total = 0.0
+    for update in range(updates):
+        comm = t_comm_after if t_comm_after is not None and switch_update is not None and update >= switch_update \
+            else t_comm
+        total += t_compute + comm if update < sync_updates else overlapped(comm)
+    return total / updates
+
+
+def factor_rows(rows: Sequence[dict]) -> List[dict]:
+    """Where each method's speed comes from: its speedup over DeepSpeed ZeRO-1 (default, and at its best
+    where it ran) split into our engine's part (ShardedAdamW over DeepSpeed ZeRO-1: bytes and overhead,
+    no overlap) and the overlap's part (the method over ShardedAdamW), per update and to the target."""
+    by = {r["method"]: r for r in rows}
+    base, best, sharded = by.get(BASELINE), by.get("zero1best"), by.get("sharded")
+    out = []
+    for r in rows:
+        if r["method"] in ("compute", BASELINE) or not parse_variant(r["method"]).method.optimizer:
+            continue
+
+        def ratio(a, b, key):
+            x, y = (a or {}).get(key), (b or {}).get(key)
+            return x / y if x and y else None
+        out.append(dict(label=r["label"], method=r["method"],
+                        per_update=ratio(base, r, "ms_per_update"), per_update_best=ratio(best, r, "ms_per_update"),
+                        engine=ratio(base, sharded, "ms_per_update"), overlap=ratio(sharded, r, "ms_per_update"),
+                        to_target=ratio(base, r, "time_to_target_s"),
+                        to_target_best=ratio(best, r, "time_to_target_s"),
+                        engine_to_target=ratio(base, sharded, "time_to_target_s"),
+                        overlap_to_target=ratio(sharded, r, "time_to_target_s")))
+    return out
+
+
+def factor_table(rows: Sequence[dict]) -> str:
+    """:func:`factor_rows` as Markdown: speedup = engine x overlap, per update and to the target."""
+    head = ["method", "per update vs DeepSpeed ZeRO-1 (best)", "= our engine (ShardedAdamW vs ZeRO-1)",
+            "x the overlap (vs ShardedAdamW)", "to target vs ZeRO-1 (best)", "= engine", "x overlap"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+
+    def x(value):
+        return "" if value is None else f"{value:.2f}x"
+    for f in factor_rows(rows):
+        lines.append("| " + " | ".join([
+            f["label"], x(f["per_update"]) + (f" ({x(f['per_update_best'])})" if f["per_update_best"] else ""),
+            x(f["engine"]), x(f["overlap"]),
+            x(f["to_target"]) + (f" ({x(f['to_target_best'])})" if f["to_target_best"] else ""),
+            x(f["engine_to_target"]), x(f["overlap_to_target"])]) + " |")
+    return "\n".join(lines)
+
+
+def wire_lines(rows: Sequence[dict]) -> List[str]:
+    """The wire each of our methods ran on, and why (an automatic choice, or fixed by its config)."""
+    lines = []
+    for r in rows:
+        wire = r.get("wire")
+        if not wire:
+            continue
+        if wire.get("from_update") is not None and wire["wire"] != wire.get("start"):
+            text = (f"{wire['start']} for its first {wire['from_update']} updates, then {wire['wire']} (chosen: "
+                    f"{wire.get('reason')})")
+        elif wire.get("from_update") is not None:
+            text = f"{wire['wire']} throughout (chosen at update {wire['from_update']}: {wire.get('reason')})"
+        else:
+            text = f"{wire['wire']} throughout (fixed by its config)"
+        lines.append(f"- {r['label']}: {text}.")
+    return ["Wires (docs/design.md, \"The wire\"):"] + lines if lines else []
 
 
 # ----------------------------------------------------------------------------------------------

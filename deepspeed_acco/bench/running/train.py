@@ -45,6 +45,8 @@ import time
 import traceback
 from typing import Optional
 
+from ..reporting.report import MIN_TARGET_MARGIN, TARGET_RESOLUTION
+
 
 def _sync_updates(text: str):
     """``--warmup-sync-updates``: 'auto' or an integer >= 0."""
@@ -132,6 +134,38 @@ def parse_slow_rank(text: str):
     if rank < 0 or factor < 1.0:
         raise ValueError(f"--slow-rank: need rank >= 0 and factor >= 1, got {text!r}")
     return rank, factor
+
+
+class TargetWatch:
+    """When to evaluate densely on the way to a target loss (docs/bench.md, "Time to target").
+
+    After each evaluation on the ``--eval-every`` grid, the run goes dense (every
+    :data:`TARGET_RESOLUTION` x ``--updates``) once its loss is within a margin of the target: 1.5
+    times the largest relative drop seen between two grid evaluations (at least
+    :data:`MIN_TARGET_MARGIN`), so that the next grid interval cannot jump past the target unseen.
+    """
+
+    def __init__(self, target: Optional[float], updates: int, resolution: float = TARGET_RESOLUTION):
+        self.target = target
+        self.every = max(1, int(resolution * updates))
+        self.dense = False
+        self.largest_drop = 0.0
+        self._last: Optional[float] = None
+
+    def on_grid(self, loss: float) -> None:
+        """A loss evaluated on the grid."""
+        if self.target is None:
+            return
+        if self._last is not None and self._last > 0:
+            self.largest_drop = max(self.largest_drop, (self._last - loss) / self._last)
+        self._last = loss
+        margin = max(MIN_TARGET_MARGIN, 1.5 * self.largest_drop)
+        if loss <= self.target * (1.0 + margin):
+            self.dense = True
+
+    def evaluate_now(self, update: int, reached: bool) -> bool:
+        """Whether to evaluate after ``update`` although it is off the grid."""
+        return self.target is not None and self.dense and not reached and update % self.every == 0
 
 
 def is_eval_update(update: int, eval_every: int, updates: int) -> bool:
@@ -415,6 +449,9 @@ def run(args) -> dict:
     target = args.target_loss if validator is not None and args.method != "compute" else None
     if target is not None and val[start_update] <= target:
         reached_update, reached_wall = start_update, 0.0
+    watch = TargetWatch(target, args.updates)
+    if target is not None:
+        watch.on_grid(val[start_update])
 
     def paused() -> float:
         return snapshot_s + eval_s + eval_comm_s
@@ -470,8 +507,11 @@ def run(args) -> dict:
                 trace_from = None
         elif committed == trace_from:
             clock.start_trace()
-        if validator is not None and is_eval_update(committed, args.eval_every, args.updates):
+        on_grid = is_eval_update(committed, args.eval_every, args.updates)
+        if validator is not None and (on_grid or watch.evaluate_now(committed, reached_update is not None)):
             validate(committed)
+            if on_grid:
+                watch.on_grid(val[committed])
             if target is not None and reached_update is None and val[committed] <= target:
                 reached_update, reached_wall = committed, wall
         if args.save_every and committed % args.save_every == 0 and committed < args.max_updates:
@@ -506,6 +546,9 @@ def run(args) -> dict:
                    eval_comm_s=eval_comm_s, landed_waits=landed_waits, evaluations=len(val),
                    process_wall_s=t_end - t_proc,
                    target_loss=target, reached_update=reached_update, reached_wall_s=reached_wall,
+                   target_resolution_updates=watch.every if target is not None else None,
+                   dense_from_update=min((u for u in val if not is_eval_update(u, args.eval_every, args.updates)),
+                                         default=None),
                    max_updates=args.max_updates,
                    resumed_from_update=start_update if args.resume else None, checkpoints=checkpoints, save_s=save_s,
                    slow_sleep_s=slow_s, comm_wait_s=None if wait is None else float(wait),
@@ -536,7 +579,8 @@ def _regime_record(engine) -> Optional[dict]:
         return None
     return dict(t_compute_s=regime.t_compute_s, t_comm_s=regime.t_comm_s, updates=regime.updates,
                 communication_share=regime.communication_share, predicted_s=regime.predicted_s,
-                fastest=regime.fastest)
+                fastest=regime.fastest, quantization_s=regime.quantization_s, measured_wire=regime.wire_name,
+                wire=regime.wire, wire_now=getattr(engine, "wire", None))
 
 
 def _write_trace(args, clock) -> None:

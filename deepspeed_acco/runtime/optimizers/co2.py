@@ -30,8 +30,9 @@ import torch
 from ... import ops
 from ..checks import config_error, count_at_most
 from ..comm import Communicator, CompletedWork, DeviceReadback, PhaseClock
-from ..compression import (GroupCompression, check_group_compressions, compresses, compressing, group_compressions,
-                           load_group_compressions, wire_bytes)
+from .. import wire as wires
+from ..compression import (CompressionConfig, GroupCompression, QuantizationFormat, check_group_compressions, compresses,
+                           compressing, group_compressions, load_group_compressions, wire_bytes)
 from ..flat import FlatParamGroup
 from ..jobs import JobKind, correctly_rounded_sqrt
 from ..optimizer import ShardedOptimizer
@@ -436,6 +437,7 @@ class CO2(Schedule):
         eager = self.merge_steps is not None
         outer = None if eager else self._wait_outer()  # eager mode merged J_{k-1} already
         self._log_skip(outer)
+        self.decide_wire()  # no job runs here under the paper's rule, which waits at every boundary
         displacement_sq = torch.zeros((), dtype=torch.float64, device=self.flats[0].device)
         with torch.no_grad():
             for flat, state, shard in zip(self.flats, self.outers, self.shards):
@@ -571,6 +573,30 @@ class CO2(Schedule):
         self.boundary_masters = None
         self.round_lr_sums = [0.0] * len(self.flats)
 
+    # ---- the wire of the outer averaging (runtime/wire.py) --------------------------------------
+    def network_communicator(self) -> Communicator:
+        return self.outer_communicator
+
+    def co2_steps(self) -> Dict[str, int]:
+        return {"co2_local_steps": int(self.params.local_steps), "co2_averaging_steps": self.params.averaging_steps}
+
+    def wire_extra_bytes(self, bits: int) -> int:
+        """The outer averaging's compressed buffers: its displacements are fp32 already under "auto"."""
+        return wires.compression_extra_bytes([flat.padded_numel for flat in self.flats], self.world_size, bits,
+                                             self.block_size, model_bytes=0, communication_bytes=4,
+                                             gather_shared=False, snapshot=False)
+
+    def switch_wire(self, name: str) -> None:
+        """Compress the outer averaging from now on (the inner steps, local or inside a group, keep theirs)."""
+        bits = wires.bits_of(name)
+        assert bits is not None and self.running is None, "a wire is switched between jobs, to a compressed one"
+        assert self.outers[0].displacement.dtype == torch.float32, "compressed averaging quantises fp32 displacements"
+        config = CompressionConfig(gradients=True, weights=True,
+                                   format=QuantizationFormat(bits=bits, block_size=self.block_size))
+        self.outer_compression = group_compressions(config, self.outer_communicator,
+                                                    [flat.padded_numel for flat in self.flats], self.device)
+        self.wire_name = name
+
     def wire_bytes_per_job(self) -> Dict[str, int]:
         """Bytes this rank sends per outer averaging job J_k (an inner step, with group_size > 1, sends
         what ShardedAdamW's job does on a group of group_size ranks)."""
@@ -610,7 +636,7 @@ class CO2(Schedule):
                 "round_loss_scale": self.round_loss_scale, "jobs_launched": self.jobs_launched,
                 "group_size": self.group_size, "inner_steps_in_round": self.inner_steps_in_round,
                 "outer_rounds": self.outer_rounds, "outer_skips": self.outer_skips, "pending": None,
-                "round_lr_sums": list(self.round_lr_sums)}
+                "round_lr_sums": list(self.round_lr_sums), "wire": self.wire_state()}
         if self.running is not None:
             meta["pending"] = {"result": result_to_dict(self.running.wait())}
         local = {"inner_master": [shard.master.clone() for shard in self.shards],
@@ -669,10 +695,12 @@ class CO2(Schedule):
                 check_vectors({name: [saved[name]]}, name, [value.numel()])
         check_group_compressions(self.compression, local.get("compression"))
         check_group_compressions(self.outer_compression, local.get("outer_compression"))
+        self.check_wire_state(meta.get("wire"), local.get("outer_compression"))
 
     def load_checkpoint_state(self, state: CheckpointState, gather_full) -> None:
         meta = state.meta
         self.reset()
+        self.restore_wire(meta.get("wire"))
         self.jobs_launched = int(meta.get("jobs_launched", 0))
         self.inner_steps_in_round = int(meta["inner_steps_in_round"])
         self.outer_rounds = int(meta["outer_rounds"])
