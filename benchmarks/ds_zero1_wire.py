@@ -48,6 +48,10 @@ SETTINGS = {
     "noallreduce_bucket5e5": ({"zero_optimization": {"use_multi_rank_bucket_allreduce": False,
                                                      "reduce_bucket_size": 500_000}},
                               "use_multi_rank_bucket_allreduce false, reduce_bucket_size 5e5"),
+    "noallreduce_bucket1e6": ({"zero_optimization": {"use_multi_rank_bucket_allreduce": False,
+                                                     "reduce_bucket_size": 1_000_000}},
+                              "use_multi_rank_bucket_allreduce false, reduce_bucket_size 1e6"),
+    "bucket1e6": ({"zero_optimization": {"reduce_bucket_size": 1_000_000}}, "reduce_bucket_size 1e6"),
     "noallreduce_bucket5e5_overlap": ({"zero_optimization": {"use_multi_rank_bucket_allreduce": False,
                                                              "reduce_bucket_size": 500_000, "overlap_comm": True}},
                                       "use_multi_rank_bucket_allreduce false, reduce_bucket_size 5e5, overlap_comm true"),
@@ -70,13 +74,45 @@ COLLECTIVES = {"all_reduce": "tensor", "reduce": "tensor", "broadcast": "tensor"
                "scatter": "tensor", "barrier": None}
 
 
-def sent_bytes(op: str, nbytes: int, world: int, rank: int, root: int = 0) -> float:
+# gloo's reduce cuts the tensor into segments of at most this many bytes (inferred from the bytes its
+# reduce sends as the tensor grows: at two ranks the segments are capped from 4 MiB on, 2 W x 1 MiB).
+GLOO_REDUCE_MAX_SEGMENT_BYTES = 1 << 20
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def gloo_reduce_sent(nbytes: int, itemsize: int, world: int, rank: int, root: int) -> int:
+    """Bytes ``rank`` sends in one gloo ``reduce`` of ``nbytes`` to ``root`` (gloo/reduce.cc): the
+    tensor is cut into N segments, N a multiple of W and at least 2 W, of at most
+    :data:`GLOO_REDUCE_MAX_SEGMENT_BYTES`; every rank sends N - 2 of them around the ring, then each
+    rank but the root sends its chunk of N / W reduced segments to the root. Up to 2 W MiB (N = 2 W)
+    that is a reduce-scatter, (W - 1) / W of the tensor, plus 1 / W off the root; past it the ring
+    sends more than a reduce-scatter (1 - 2 / N of the tensor)."""
+    total = nbytes
+    if world <= 1 or total == 0:
+        return 0
+    cap = itemsize * max(1, GLOO_REDUCE_MAX_SEGMENT_BYTES // itemsize)
+    segment = _round_up(min(-(-total // (2 * world)), cap), itemsize)
+    segments = _round_up(max(-(-total // segment), 2 * world), world)
+    per_rank = segments // world
+    sent = 0
+    for i in range(segments - 2):
+        offset = (((rank + 1) * per_rank + i) * segment) % (segments * segment)
+        sent += max(0, min(segment, total - offset))
+    if rank != root:
+        sent += max(0, min(per_rank * segment, total - rank * per_rank * segment))
+    return sent
+
+
+def sent_bytes(op: str, nbytes: int, world: int, rank: int, root: int = 0, itemsize: int = 4) -> float:
     """Bytes one rank sends for one collective on gloo, ``nbytes`` being the size of the data
     argument (all-gathers: the gathered output; reduce-scatters: the full input).
 
     * ``all_reduce``: gloo's ring (a reduce-scatter then an all-gather of chunks): 2 (W - 1) / W B;
-    * ``reduce``: gloo's ``reduce`` runs the same ring reduce-scatter over the whole tensor, then every
-      rank but the root sends its reduced chunk to the root: (W - 1) / W B, plus B / W off the root;
+    * ``reduce``: :func:`gloo_reduce_sent`; for a tensor up to 2 W MiB, (W - 1) / W B (a ring
+      reduce-scatter of the whole tensor) plus B / W off the root (its chunk sent to the root);
     * ``all_gather`` / ``all_gather_into_tensor``: a ring, each chunk passed on W - 1 times: (W - 1) / W B;
     * ``reduce_scatter(_tensor)``: counted as an all-reduce (what torch's gloo backend runs for it);
     * ``broadcast``: the root sends B to each other rank (upper bound; not used per update);
@@ -88,7 +124,7 @@ def sent_bytes(op: str, nbytes: int, world: int, rank: int, root: int = 0) -> fl
     if op in ("all_reduce", "reduce_scatter", "reduce_scatter_tensor"):
         return 2.0 * (w - 1) / w * nbytes
     if op == "reduce":
-        return (w - 1) / w * nbytes + (nbytes / w if rank != root else 0.0)
+        return float(gloo_reduce_sent(nbytes, itemsize, w, rank, root))
     if op in ("all_gather", "all_gather_into_tensor", "all_to_all_single"):
         return (w - 1) / w * nbytes
     if op == "broadcast":
@@ -110,6 +146,13 @@ def _nbytes(value) -> int:
 def _tx_bytes(nic: str) -> int:
     with open(f"/sys/class/net/{nic}/statistics/tx_bytes") as f:
         return int(f.read())
+
+
+def _tcp_counters() -> dict:
+    """This network namespace's TCP counters (``/proc/net/snmp``): segments sent and retransmitted."""
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    return {key: int(value) for key, value in zip(rows[0][1:], rows[1][1:]) if key in ("OutSegs", "RetransSegs")}
 
 
 def replay(sequence, functions, world: int, repeats: int) -> list:
@@ -222,7 +265,7 @@ def worker(args) -> int:
         update()
     tdist.barrier()
     time.sleep(0.3)
-    tx0 = _tx_bytes(args.nic)
+    tx0, tcp0 = _tx_bytes(args.nic), _tcp_counters()
     recording["on"] = True
     walls, comm = [], []
     for _ in range(args.updates):
@@ -233,26 +276,29 @@ def worker(args) -> int:
         comm.append(sum(c[4] for c in calls[n0:]))
     recording["on"] = False
     time.sleep(0.5)  # let the NIC's queue drain (the last sends were handed to the kernel)
-    tx1 = _tx_bytes(args.nic)
+    tx1, tcp1 = _tx_bytes(args.nic), _tcp_counters()
     by_op = {}
     last = calls[n0:]
     rounds = replay(last, plain, world, args.replays)
-    for op, dtype, nbytes, root, seconds, group_world, _ in calls:
+    for op, dtype, nbytes, root, seconds, group_world, torch_dtype in calls:
         entry = by_op.setdefault(f"{op}[{dtype}]", dict(calls=0, bytes=0, sent=0.0, seconds=0.0))
         entry["calls"] += 1
         entry["bytes"] += nbytes
-        entry["sent"] += sent_bytes(op, nbytes, group_world, rank, root)
+        itemsize = torch.empty((), dtype=torch_dtype).element_size() if torch_dtype is not None else 1
+        entry["sent"] += sent_bytes(op, nbytes, group_world, rank, root, itemsize)
         entry["seconds"] += seconds
     n = args.updates
     out = dict(rank=rank, world=world, setting=args.setting, precision=args.precision, updates=n,
                zero_config=engine.config.get("zero_optimization") if hasattr(engine, "config") else None,
                loss=loss, nic_tx_bytes_per_update=(tx1 - tx0) / n,
+               tcp_per_update={key: (tcp1[key] - tcp0[key]) / n for key in tcp0},
                formula_sent_bytes_per_update=sum(e["sent"] for e in by_op.values()) / n,
                calls_per_update={k: v["calls"] / n for k, v in by_op.items()},
                bytes_per_update={k: v["bytes"] / n for k, v in by_op.items()},
                sent_per_update={k: v["sent"] / n for k, v in by_op.items()},
                comm_s_per_update={k: v["seconds"] / n for k, v in by_op.items()},
-               wall_s=walls, comm_s=comm, replay_s=rounds, n_params=sum(p.numel() for p in model.parameters()),
+               wall_s=walls, comm_s=comm, replay_s=rounds,
+               last_update_calls=[dict(op=c[0], dtype=c[1], bytes=c[2], root=c[3]) for c in last], n_params=sum(p.numel() for p in model.parameters()),
                communication_data_type=str(engine.communication_data_type))
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f, indent=1)
@@ -313,6 +359,7 @@ def summarize(setting: str, ranks: list, shared: bool = False) -> dict:
                 calls_per_update=r0["calls_per_update"],
                 formula_sent_bytes=[r["formula_sent_bytes_per_update"] for r in ranks],
                 nic_tx_bytes=[r["nic_tx_bytes_per_update"] / (len(ranks) if shared else 1) for r in ranks],
+                retransmits=[r.get("tcp_per_update", {}).get("RetransSegs") for r in ranks],
                 ms_per_update=1000 * max(walls), comm_ms_per_update=1000 * max(comms), loss=r0["loss"],
                 replay_ms=1000 * max(statistics.median(r["replay_s"]) for r in ranks),
                 replay_min_ms=1000 * max(min(r["replay_s"]) for r in ranks))
@@ -320,8 +367,8 @@ def summarize(setting: str, ranks: list, shared: bool = False) -> dict:
 
 def table(rows: list) -> str:
     lines = ["| setting | collectives per update (rank 0) | sent per rank, formula (MB) | NIC tx per rank (MB) | "
-             "passes | ms/update | in collectives (ms) | collectives alone (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "passes | ms/update | in collectives (ms) | collectives alone (ms) | TCP retransmits |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         model_bytes = r["n_params"] * (2 if r["precision"] == "bf16" else 4)
         w = r["world"]
@@ -330,7 +377,8 @@ def table(rows: list) -> str:
         ops = ", ".join(f"{v:g} {k}" for k, v in sorted(r["calls_per_update"].items()))
         lines.append(f"| {r['setting']} | {ops} | {' / '.join(f'{b / 1e6:.3f}' for b in r['formula_sent_bytes'])} | "
                      f"{' / '.join(f'{b / 1e6:.3f}' for b in r['nic_tx_bytes'])} | {passes:.2f} | "
-                     f"{r['ms_per_update']:.0f} | {r['comm_ms_per_update']:.0f} | {r['replay_ms']:.0f} |")
+                     f"{r['ms_per_update']:.0f} | {r['comm_ms_per_update']:.0f} | {r['replay_ms']:.0f} | "
+                     f"{' / '.join('?' if x is None else f'{x:g}' for x in r.get('retransmits', []))} |")
     return "\n".join(lines)
 
 
@@ -353,6 +401,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="ds_zero1_wire.json")
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--tabulate", action="store_true",
+                   help="run nothing: tabulate the runs already in --work-dir (default: next to --out)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--setting", help=argparse.SUPPRESS)
     p.add_argument("--nic", help=argparse.SUPPRESS)
@@ -368,6 +418,18 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
     work = args.work_dir or (os.path.splitext(args.out)[0] + "_runs")
     rows = []
+    if args.tabulate:
+        for setting in settings:
+            folder = os.path.join(work, setting)
+            files = sorted(f for f in os.listdir(folder) if f.startswith("rank")) if os.path.isdir(folder) else []
+            if files:
+                ranks = []
+                for name in files:
+                    with open(os.path.join(folder, name)) as f:
+                        ranks.append(json.load(f))
+                rows.append(summarize(setting, sorted(ranks, key=lambda r: r["rank"]), shared=args.nodes == 1))
+        print(table(rows))
+        return 0
     try:
         bps = netns.parse_bandwidth(args.bandwidth)
         with (netns.Namespace(bps) if args.nodes == 1 else netns.Cluster(args.world, bps)) as network:
