@@ -187,7 +187,8 @@ def finish(args, out, results, failed, meta, rates) -> None:
             for r in rows:
                 if r["method"] in ("compute", BASELINE):
                     continue
-                t_comm = report.method_comm_seconds(r["method"], n_params, world, measured, args.precision, nodes)
+                t_comm = report.method_comm_seconds(r["method"], n_params, world, measured, args.precision, nodes,
+                                                    backend=(probe or {}).get("backend", "gloo"))
                 b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty,
                                          sync_updates=r.get("warmup_sync_updates") or 0, updates=r["updates"])
                 sweep_points.append(dict(method=r["method"], link_bps=measured, speedup=r["speedup_vs_zero1"],
@@ -262,7 +263,8 @@ def _regime_lines(rows, auto: Optional[dict], label: str) -> List[str]:
     lines = []
     if auto and auto.get("bps"):
         probe = auto.get("probe_round_s")
-        lines.append(f"Link rate {label}: chosen by --bandwidth auto so that DeepSpeed ZeRO-1 communicates "
+        lines.append(f"Link rate {label}: chosen by --bandwidth auto so that "
+                     f"{auto.get('calibrated_on') or 'DeepSpeed ZeRO-1'} communicates "
                      f"{auto['share']:.0%} of its update (compute-only {1000 * auto['t_compute_s']:.0f} ms/update; "
                      f"ZeRO-1's collectives measured "
                      + ("n/a" if probe is None else f"{1000 * probe:.0f} ms")
@@ -343,7 +345,8 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[d
     for r in rows:
         if r["method"] == "compute":
             continue
-        t_comm = report.method_comm_seconds(r["method"], n_params, world, measured_bps, args.precision, nodes)
+        t_comm = report.method_comm_seconds(r["method"], n_params, world, measured_bps, args.precision, nodes,
+                                            backend=(probe or {}).get("backend", "gloo"))
         sync = dict(sync_updates=r.get("warmup_sync_updates") or 0, updates=r["updates"])
         b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty, **sync)
         line = (f"- {r['label']} ({r['comm']}): {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
