@@ -19,7 +19,8 @@ shaped with ``--bandwidth``), and counts, for ``--updates`` updates after ``--wa
 1``); its ``lo`` counts every rank's bytes, split evenly in the table.
 
 ``python benchmarks/ds_zero1_wire.py --world 2 --precision bf16 --out /tmp/ds_wire_w2_bf16.json``
-(as root: it creates namespaces; ``--settings default,noallreduce`` picks settings). Rank 0's numbers
+(as root: it creates namespaces; ``--settings default,noallreduce`` picks settings;
+``--reduce-scan 1,4,8,32`` measures gloo's reduce alone, per size). Rank 0's numbers
 and every rank's bytes are written as JSON; a Markdown table is printed.
 """
 import argparse
@@ -51,6 +52,11 @@ SETTINGS = {
     "noallreduce_bucket1e6": ({"zero_optimization": {"use_multi_rank_bucket_allreduce": False,
                                                      "reduce_bucket_size": 1_000_000}},
                               "use_multi_rank_bucket_allreduce false, reduce_bucket_size 1e6"),
+    "noallreduce_bucket1e6_fp32comm": ({"zero_optimization": {"use_multi_rank_bucket_allreduce": False,
+                                                              "reduce_bucket_size": 1_000_000},
+                                        "communication_data_type": "fp32"},
+                                       "use_multi_rank_bucket_allreduce false, reduce_bucket_size 1e6, "
+                                       "communication_data_type fp32"),
     "bucket1e6": ({"zero_optimization": {"reduce_bucket_size": 1_000_000}}, "reduce_bucket_size 1e6"),
     "noallreduce_bucket5e5_overlap": ({"zero_optimization": {"use_multi_rank_bucket_allreduce": False,
                                                              "reduce_bucket_size": 500_000, "overlap_comm": True}},
@@ -184,6 +190,34 @@ def replay(sequence, functions, world: int, repeats: int) -> list:
             call()
         times.append(time.perf_counter() - t)
     return times
+
+
+def scan_worker(args) -> int:
+    """``--reduce-scan``: one gloo ``reduce`` of each size (fp32, to rank 0), the bytes this rank's NIC
+    sent for it next to :func:`gloo_reduce_sent`'s count."""
+    import torch
+    import torch.distributed as tdist
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo")
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    rows = []
+    for megabytes in (float(x) for x in args.reduce_scan.split(",")):
+        x = torch.ones(int(megabytes * 1e6 / 4))
+        tdist.reduce(x, 0)  # warm-up
+        tdist.barrier()
+        time.sleep(0.2)
+        before = _tx_bytes(args.nic)
+        for _ in range(2):
+            tdist.reduce(x, 0)
+        time.sleep(0.3)
+        nbytes = x.numel() * 4
+        rows.append(dict(megabytes=megabytes, nic=(_tx_bytes(args.nic) - before) / 2 / nbytes,
+                         counted=gloo_reduce_sent(nbytes, 4, world, rank, 0) / nbytes))
+        tdist.barrier()
+    with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(rank=rank, world=world, rows=rows), f)
+    tdist.barrier()
+    return 0
 
 
 def worker(args) -> int:
@@ -325,6 +359,7 @@ def run_setting(network, setting: str, args, port: int, out_dir: str) -> list:
         argv = prefix + [sys.executable, os.path.abspath(__file__), "--worker", "--setting", setting,
                                          "--precision", args.precision, "--updates", str(args.updates),
                                          "--warmup", str(args.warmup), "--replays", str(args.replays), "--nic", nic,
+                                         "--reduce-scan", args.reduce_scan,
                                          "--out-dir", out_dir, "--model", args.model, "--ctx", str(args.ctx),
                                          "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum)]
         log = open(os.path.join(out_dir, f"log{k}.txt"), "w")
@@ -401,6 +436,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="ds_zero1_wire.json")
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--reduce-scan", default="", metavar="MB,MB,...",
+                   help="instead: the bytes one gloo reduce of each size (fp32, MB) sends per rank, measured "
+                        "and counted, e.g. 1,4,4.5,8,32")
     p.add_argument("--tabulate", action="store_true",
                    help="run nothing: tabulate the runs already in --work-dir (default: next to --out)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -409,7 +447,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args)
+        return scan_worker(args) if args.reduce_scan else worker(args)
 
     from deepspeed_acco.bench import netns
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
@@ -432,6 +470,20 @@ def main(argv=None) -> int:
         return 0
     try:
         bps = netns.parse_bandwidth(args.bandwidth)
+        if args.reduce_scan:
+            with netns.Cluster(args.world, bps) as network:
+                folder = os.path.join(work, "reduce_scan")
+                run_setting(network, "default", args, 29690, folder)
+            print("| MB | " + " | ".join(f"rank {k}: NIC / counted" for k in range(args.world)) + " |")
+            print("|---|" + "---|" * args.world)
+            ranks = []
+            for k in range(args.world):
+                with open(os.path.join(folder, f"rank{k}.json")) as f:
+                    ranks.append(json.load(f)["rows"])
+            for i, row in enumerate(ranks[0]):
+                cells = [f"{r[i]['nic']:.3f} / {r[i]['counted']:.3f}" for r in ranks]
+                print(f"| {row['megabytes']:g} | " + " | ".join(cells) + " |")
+            return 0
         with (netns.Namespace(bps) if args.nodes == 1 else netns.Cluster(args.world, bps)) as network:
             for i, setting in enumerate(settings):
                 ranks = run_setting(network, setting, args, 29700 + i, os.path.join(work, setting))
