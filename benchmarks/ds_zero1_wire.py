@@ -1,9 +1,9 @@
 """Bytes on the wire and time per update of DeepSpeed's ZeRO-1 under its communication settings, on gloo.
 
-Runs the bench's DeepSpeed ZeRO-1 (``deepspeed_acco.bench.methods.ds_config("zero1", ...)``: the bench's
-model preset, micro-batches, AdamW and clipping) with one extra piece of ``zero_optimization`` /
-top-level config per *setting* (:data:`SETTINGS`), one rank per emulated node
-(:class:`deepspeed_acco.bench.netns.Cluster`: W network namespaces joined by a bridge, optionally
+Runs the bench's DeepSpeed ZeRO-1 (``ds_config("zero1", ...)`` of ``deepspeed_acco.bench.workload.methods``:
+the bench's model preset, micro-batches, AdamW and clipping) with one extra piece of
+``zero_optimization`` / top-level config per *setting* (:data:`SETTINGS`), one rank per emulated node
+(``deepspeed_acco.bench.network.netns.Cluster``: W network namespaces joined by a bridge, optionally
 shaped with ``--bandwidth``), and counts, for ``--updates`` updates after ``--warmup`` updates:
 
 * every ``torch.distributed`` collective DeepSpeed calls (wrapped in each rank): how many, of how many
@@ -60,7 +60,8 @@ SETTINGS = {
     "bucket1e6": ({"zero_optimization": {"reduce_bucket_size": 1_000_000}}, "reduce_bucket_size 1e6"),
     "noallreduce_bucket5e5_overlap": ({"zero_optimization": {"use_multi_rank_bucket_allreduce": False,
                                                              "reduce_bucket_size": 500_000, "overlap_comm": True}},
-                                      "use_multi_rank_bucket_allreduce false, reduce_bucket_size 5e5, overlap_comm true"),
+                                      "use_multi_rank_bucket_allreduce false, reduce_bucket_size 5e5, "
+                                      "overlap_comm true"),
     "allgatherbucket5e5": ({"zero_optimization": {"allgather_bucket_size": 500_000}}, "allgather_bucket_size 5e5"),
     "fp32comm": ({"communication_data_type": "fp32"}, "communication_data_type fp32"),
     "noallreduce_fp32comm": ({"zero_optimization": {"use_multi_rank_bucket_allreduce": False},
@@ -230,8 +231,8 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     import deepspeed
 
-    from deepspeed_acco.bench.methods import _merge, ds_config
-    from deepspeed_acco.bench.models import build_model
+    from deepspeed_acco.bench.workload.methods import _merge, ds_config
+    from deepspeed_acco.bench.workload.models import build_model
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     extra, _ = SETTINGS[args.setting]
@@ -332,7 +333,8 @@ def worker(args) -> int:
                sent_per_update={k: v["sent"] / n for k, v in by_op.items()},
                comm_s_per_update={k: v["seconds"] / n for k, v in by_op.items()},
                wall_s=walls, comm_s=comm, replay_s=rounds,
-               last_update_calls=[dict(op=c[0], dtype=c[1], bytes=c[2], root=c[3]) for c in last], n_params=sum(p.numel() for p in model.parameters()),
+               last_update_calls=[dict(op=c[0], dtype=c[1], bytes=c[2], root=c[3]) for c in last],
+               n_params=sum(p.numel() for p in model.parameters()),
                communication_data_type=str(engine.communication_data_type))
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f, indent=1)
@@ -342,15 +344,15 @@ def worker(args) -> int:
 
 def places(network, world: int) -> list:
     """(command prefix, master address, interface) of each rank: one rank per node of a
-    :class:`~deepspeed_acco.bench.netns.Cluster`, or every rank on a shaped loopback
-    (:class:`~deepspeed_acco.bench.netns.Namespace`, ``--nodes 1``; its ``lo`` counts every rank's bytes)."""
+    :class:`~deepspeed_acco.bench.network.netns.Cluster`, or every rank on a shaped loopback
+    (:class:`~deepspeed_acco.bench.network.netns.Namespace`, ``--nodes 1``; its ``lo`` counts every rank's bytes)."""
     if hasattr(network, "node_prefix"):
         return [(network.node_prefix(k), network.node_address(0), network.node_ifname(k)) for k in range(world)]
     return [(network.prefix(), "127.0.0.1", "lo")] * world
 
 
 def run_setting(network, setting: str, args, port: int, out_dir: str) -> list:
-    from deepspeed_acco.bench.jobs import child_env
+    from deepspeed_acco.bench.network.jobs import child_env
     os.makedirs(out_dir, exist_ok=True)
     procs = []
     for k, (prefix, master, nic) in enumerate(places(network, args.world)):
@@ -449,7 +451,7 @@ def main(argv=None) -> int:
     if args.worker:
         return scan_worker(args) if args.reduce_scan else worker(args)
 
-    from deepspeed_acco.bench import netns
+    from deepspeed_acco.bench.network import netns
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
@@ -490,8 +492,8 @@ def main(argv=None) -> int:
                 rows.append(summarize(setting, ranks, shared=args.nodes == 1))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
                 with open(args.out, "w") as f:
-                    json.dump(dict(world=args.world, precision=args.precision, bandwidth=args.bandwidth, nodes=args.nodes,
-                                   updates=args.updates, warmup=args.warmup, rows=rows), f, indent=1)
+                    json.dump(dict(world=args.world, precision=args.precision, bandwidth=args.bandwidth,
+                                   nodes=args.nodes, updates=args.updates, warmup=args.warmup, rows=rows), f, indent=1)
     finally:
         netns.cleanup_all()
     print(table(rows))
