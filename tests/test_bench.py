@@ -482,7 +482,8 @@ def test_bench_smoke_unshaped(tmp_path):
     assert meta["n_params"] == 120192 and meta["table"] and meta["args"]["precision"] == "bf16"
     assert "Time to target" not in out  # --target-loss none: the equal-samples table only
     assert json.load(open(tmp_path / "runs" / "acco" / "ds_config.json"))["bf16"] == {"enabled": True}
-    assert summary["acco"]["comm"] == "bf16/bf16" and summary["zero1"]["comm"] == "bf16/bf16"  # both: the model's dtype
+    # both: the model's dtype; DeepSpeed's ZeRO-1 all-reduces its gradients
+    assert summary["acco"]["comm"] == "bf16/bf16" and summary["zero1"]["comm"] == "bf16 all-reduce/bf16"
     # --replot rebuilds the same table from the logs without running anything.
     before = (tmp_path / "results.md").read_text()
     (tmp_path / "loss_vs_samples.png").unlink()
@@ -730,9 +731,11 @@ def test_auto_bandwidth_counts_what_the_probe_moves():
     from deepspeed_acco.bench.reporting import report
     from deepspeed_acco.bench.reporting.commprobe import rate_for_share
     n, world, nodes = 3_287_552, 2, 2
-    ideal = report.method_comm_seconds("zero1", n, world, 1.0, "bf16", nodes)
+    ideal = report.comm_round_seconds(n, world, 1.0, 2, nodes=nodes)  # one reduce-scatter + one all-gather
     probe = report.probe_round_bits("zero1", n, world, "bf16", nodes)
     assert probe == pytest.approx(1.5 * ideal)
+    # ZeRO-1's own T_comm counts the same three passes.
+    assert report.method_comm_seconds("zero1", n, world, 1.0, "bf16", nodes) == pytest.approx(probe)
     assert report.probe_round_bits("zero0", n, world, "bf16", nodes) == pytest.approx(ideal)
     assert report.probe_round_bits("acco", n, world, "bf16", nodes) == pytest.approx(ideal)
     rate, fixed = rate_for_share(1 / 3, 0.432, probe, 243.726e6, 0.384)

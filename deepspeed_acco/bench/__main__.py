@@ -26,8 +26,8 @@ from typing import Dict, List, Optional
 from .network import netns
 from .running.faults import check_fault_args, run_fault_bench
 from .network.jobs import Placement, probe_comm, run_job
-from .workload.methods import (BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, parse_variant,
-                               resolve_methods)
+from .workload.methods import (BASELINE, DEFAULT_METHODS, LR_SCHEDULES, METHODS, MODIFIERS, comm_description,
+                               parse_variant, resolve_methods)
 from .workload.models import DEFAULT_PRESET, PRESETS
 from .running.runs import Network, worker_args
 from .reporting.summary import finish, replot
@@ -393,8 +393,9 @@ AUTO_RATE = "auto"  # placeholder in the list of rates until the compute-only ru
 
 
 def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, meta: dict) -> Optional[float]:
-    """``--bandwidth auto``: the per-direction rate at which DeepSpeed ZeRO-1 spends ``--comm-share``
-    of its update communicating, T_comm / (T_compute + T_comm) = share, with T_compute from the
+    """``--bandwidth auto``: the per-direction rate at which DeepSpeed ZeRO-1 at its default config
+    (``zero1``: gradients all-reduced, parameters all-gathered; ``workload.methods.comm_description``, which
+    the report quotes) spends ``--comm-share`` of its update communicating, T_comm / (T_compute + T_comm) = share, with T_compute from the
     compute-only run and T_comm from ZeRO-1's collectives timed on the emulated network at a first
     guess of the rate (a round takes a fixed part plus the bytes the probe moves / rate:
     report.probe_round_bits, commprobe.rate_for_share)."""
@@ -418,7 +419,7 @@ def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, m
     measured = report.probe_round_seconds(probe, BASELINE, args.precision) if probe else None
     rate, fixed = (guess, 0.0) if measured is None else rate_for_share(share, t_compute, bits, guess, measured)
     info = dict(share=share, t_compute_s=t_compute, probe_bps=guess, probe_round_s=measured, fixed_s=fixed,
-                bps=rate)
+                bps=rate, calibrated_on=comm_description(BASELINE))
     meta["auto_bandwidth"] = info
     if rate is None:
         print(f"--bandwidth auto: ZeRO-1's round has a fixed part of {1000 * fixed:.0f} ms on this network, more than "
@@ -429,8 +430,8 @@ def choose_auto_rate(args, out: str, n_params: int, compute, shaping_ok: bool, m
     rate = float(f"{rate:.3g}")  # three digits: what a report can name and a user can retype
     info["bps"] = rate
     args.bandwidth = f"{rate:.6g}"
-    print(f"--bandwidth auto: {netns.format_bandwidth(rate)} per direction, where DeepSpeed ZeRO-1 should spend "
-          f"{share:.0%} of its update communicating (compute-only {1000 * t_compute:.0f} ms/update; its collectives "
+    print(f"--bandwidth auto: {netns.format_bandwidth(rate)} per direction, where {info['calibrated_on']} should "
+          f"spend {share:.0%} of its update communicating (compute-only {1000 * t_compute:.0f} ms/update; its collectives "
           f"measured {'n/a' if measured is None else f'{1000 * measured:.0f} ms'} at "
           f"{netns.format_bandwidth(guess)}, a fixed part of {1000 * fixed:.0f} ms)", flush=True)
     return rate

@@ -283,10 +283,15 @@ def comm_label(method: str, precision: str) -> str:
     if method == "compute":
         return ""
     names = {4.0: "fp32", 2.0: "bf16", 1.0: "int8"}
-    grad, param = parse_variant(method).comm_bytes(precision)
-    if parse_variant(method).method.name == "zero0":
-        return f"{names.get(grad, grad)} all-reduce"
-    return f"{names.get(grad, grad)}/{names.get(param, param)}"
+    variant = parse_variant(method)
+    grad, param = variant.comm_bytes(precision)
+    collective = variant.method.gradient_collective
+    grad_text = str(names.get(grad, grad))
+    if collective != "reduce_scatter":  # DeepSpeed's: all-reduce, or reduce to each partition's owner
+        grad_text += " " + collective.replace("_", "-")
+    if not variant.method.gathers_parameters:
+        return grad_text
+    return f"{grad_text}/{names.get(param, param)}"
 
 
 def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[dict]:
@@ -455,7 +460,9 @@ TABLE_NOTES = (
     "`~x*` = derived as wall - compute-only wall, for DeepSpeed's engine, which has no such counter. train loss: "
     "mean of the last 10% of updates over ranks; val loss: held-out files, after the last update (nats/byte, "
     "ppl = exp); val vs ZeRO-1: relative gap. comm: what one round moves per value, gradients/parameters (DeepSpeed "
-    "communicates gradients in the model's dtype by default, and so does deepspeed_acco; CO2's round averages fp32 parameters).")
+    "communicates gradients in the model's dtype by default, and so does deepspeed_acco; CO2's round averages fp32 parameters), "
+    "with DeepSpeed's gradient collective where it is not a reduce-scatter: all-reduce (its default) or reduce (to "
+    "each partition's owner, ZeRO-1 best).")
 
 
 def write_steps_csv(path: str, results: Sequence[RunResult]) -> None:
@@ -507,13 +514,17 @@ def comm_round_seconds(n_params: int, world_size: int, link_bps: float, bytes_pe
 
 
 def method_comm_seconds(method: str, n_params: int, world_size: int, link_bps: float, precision: str,
-                        nodes: int = 1) -> float:
-    """:func:`comm_round_seconds` with the bytes ``method`` (a variant) moves: DeepSpeed's stage 0
-    all-reduces the gradients only; the others reduce-scatter gradients and gather parameters."""
-    grad, param = parse_variant(method).comm_bytes(precision)
-    if parse_variant(method).method.name == "zero0":
-        param = grad
-    return comm_round_seconds(n_params, world_size, link_bps, grad, param_bytes=param, nodes=nodes)
+                        nodes: int = 1, backend: str = "gloo") -> float:
+    """:func:`comm_round_seconds` with the bytes ``method`` (a variant) moves: its bytes per value times
+    the passes it makes over the model (:meth:`methods.Variant.comm_passes`): our engine reduce-scatters
+    the gradients and gathers the parameters (1 + 1); DeepSpeed's ZeRO-1 at its default config
+    all-reduces the gradients (2 + 1), at its best reduces each partition to its owner ((W + 1) / W + 1
+    on gloo); its stage 0 all-reduces only (2 + 0)."""
+    variant = parse_variant(method)
+    grad, param = variant.comm_bytes(precision)
+    grad_passes, param_passes = variant.comm_passes(world_size, backend)
+    return comm_round_seconds(n_params, world_size, link_bps, grad * grad_passes, param_bytes=param * param_passes,
+                              nodes=nodes)
 
 
 def probe_round_seconds(probe: dict, method: str, precision: str) -> Optional[float]:
@@ -523,6 +534,8 @@ def probe_round_seconds(probe: dict, method: str, precision: str) -> Optional[fl
     grad, param = parse_variant(method).comm_bytes(precision)
     base = parse_variant(method).method
     fp32, model = 4.0, (2.0 if precision == "bf16" else 4.0)
+    if not base.ours and base.gradient_collective != "all_reduce":
+        return None  # the probe times no reduce to each partition's owner
     if base.ours:
         key = {(fp32, fp32): "engine_round_s", (fp32, 2.0): "engine_round_model_dtype_s",
                (2.0, 2.0): "engine_round_bf16comm_s"}.get((grad, param))
@@ -539,17 +552,10 @@ def probe_round_seconds(probe: dict, method: str, precision: str) -> Optional[fl
 
 def probe_round_bits(method: str, n_params: int, world_size: int, precision: str, nodes: int = 1) -> float:
     """Ideal volume (bits through the busiest link, as :func:`comm_round_seconds` counts it) of the
-    collectives :func:`probe_round_seconds` times for ``method``: DeepSpeed's round on gloo is an
-    all-reduce of the gradients (twice a reduce-scatter's volume) plus, past stage 0, an all-gather
-    of the parameters; our engine's round moves what :func:`method_comm_seconds` counts."""
-    variant = parse_variant(method)
-    if variant.method.ours:
-        return method_comm_seconds(method, n_params, world_size, 1.0, precision, nodes)
-    grad, param = variant.comm_bytes(precision)
-    all_reduce = comm_round_seconds(n_params, world_size, 1.0, grad, param_bytes=grad, nodes=nodes)
-    if variant.method.name == "zero0":
-        return all_reduce
-    return all_reduce + comm_round_seconds(n_params, world_size, 1.0, 0.0, param_bytes=param, nodes=nodes)
+    collectives :func:`probe_round_seconds` times for ``method``: those the method runs, so what
+    :func:`method_comm_seconds` counts (DeepSpeed's default ZeRO-1 on gloo: an all-reduce of the
+    gradients, twice a reduce-scatter's volume, plus an all-gather of the parameters)."""
+    return method_comm_seconds(method, n_params, world_size, 1.0, precision, nodes)
 
 
 def wire_comm_bytes(method: str, wire: str, precision: str) -> tuple:
@@ -678,8 +684,8 @@ def _plt():
     return plt
 
 
-_COLORS = {"compute": "0.6", "zero1": "tab:red", "zero0": "tab:orange", "sharded": "tab:purple",
-           "dpu": "tab:green", "acco": "tab:blue", "co2": "tab:brown"}
+_COLORS = {"compute": "0.6", "zero1": "tab:red", "zero1best": "tab:pink", "zero0": "tab:orange",
+           "sharded": "tab:purple", "dpu": "tab:green", "acco": "tab:blue", "co2": "tab:brown"}
 _MODIFIER_LINES = ["--", "-.", ":"]
 
 

@@ -199,7 +199,8 @@ def finish(args, out, results, failed, meta, rates) -> None:
             for r in rows:
                 if r["method"] in ("compute", BASELINE):
                     continue
-                t_comm, sync = _run_comm(args, r, n_params, world, measured, nodes)
+                t_comm, sync = _run_comm(args, r, n_params, world, measured, nodes,
+                                         backend=(probe or {}).get("backend", "gloo"))
                 b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty, **sync)
                 sweep_points.append(dict(method=r["method"], link_bps=measured, speedup=r["speedup_vs_zero1"],
                                          ttt_speedup=r["ttt_speedup_vs_zero1"],
@@ -273,7 +274,8 @@ def _regime_lines(rows, auto: Optional[dict], label: str) -> List[str]:
     lines = []
     if auto and auto.get("bps"):
         probe = auto.get("probe_round_s")
-        lines.append(f"Link rate {label}: chosen by --bandwidth auto so that DeepSpeed ZeRO-1 communicates "
+        lines.append(f"Link rate {label}: chosen by --bandwidth auto so that "
+                     f"{auto.get('calibrated_on') or 'DeepSpeed ZeRO-1'} communicates "
                      f"{auto['share']:.0%} of its update (compute-only {1000 * auto['t_compute_s']:.0f} ms/update; "
                      f"ZeRO-1's collectives measured "
                      + ("n/a" if probe is None else f"{1000 * probe:.0f} ms")
@@ -321,11 +323,12 @@ def _noise_lines(rows) -> List[str]:
     return lines
 
 
-def _run_comm(args, row, n_params: int, world: int, link_bps: float, nodes: int):
+def _run_comm(args, row, n_params: int, world: int, link_bps: float, nodes: int, backend: str = "gloo"):
     """(T_comm of one job of the run at its start, the bound's keywords): the wire the run's engine
     chose during the run (``row["wire"]``) switches T_comm from the update it was chosen at."""
     from . import report
-    t_comm = report.method_comm_seconds(row["method"], n_params, world, link_bps, args.precision, nodes)
+    t_comm = report.method_comm_seconds(row["method"], n_params, world, link_bps, args.precision, nodes,
+                                        backend=backend)
     sync = dict(sync_updates=row.get("warmup_sync_updates") or 0, updates=row["updates"])
     wire = row.get("wire") or {}
     if wire.get("from_update") is not None and wire.get("start") and wire.get("wire") != wire.get("start"):
@@ -370,7 +373,8 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[d
     for r in rows:
         if r["method"] == "compute":
             continue
-        t_comm, sync = _run_comm(args, r, n_params, world, measured_bps, nodes)
+        t_comm, sync = _run_comm(args, r, n_params, world, measured_bps, nodes,
+                                 backend=(probe or {}).get("backend", "gloo"))
         b = report.bound_seconds(r["method"], t_comp, t_comm, args.local_steps, args.gap_penalty, **sync)
         line = (f"- {r['label']} ({r['comm']}): {r['ms_per_update']:.0f} ms/update measured vs bound {1000 * b:.0f} ms "
                 f"({r['ms_per_update'] / (1000 * b):.2f}x the bound; T_comm {1000 * t_comm:.0f} ms"

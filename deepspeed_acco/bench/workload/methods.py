@@ -10,6 +10,7 @@ entry of :data:`MODIFIERS`, a piece of DeepSpeed config merged into the method's
 value it makes the communication move, for the bound). Adding a modifier is adding one entry.
 """
 import copy
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple, Union
@@ -25,12 +26,29 @@ class Method:
     comm_jobs: float = 1.0    # k in the bound max(T_compute, k * T_comm): communication rounds per update
                               # that must fit under compute (CO2: 1 / local_steps, set at run time)
     overlapped: bool = False  # whether the method can hide communication behind compute at all
+    # How one round reduces the gradients (:func:`gradient_passes`): "reduce_scatter" (our engine),
+    # "all_reduce" (DeepSpeed's stage 0, and stage 1 by default), "reduce" (DeepSpeed's stage 1 reducing
+    # each partition to its owner); and whether it then all-gathers the parameters (one pass).
+    gradient_collective: str = "reduce_scatter"
+    gathers_parameters: bool = True
+    zero_options: Tuple[Tuple[str, object], ...] = ()  # DeepSpeed zero_optimization keys besides the stage
 
+
+# DeepSpeed's stage 1 at its best on gloo (docs/bench.md, "DeepSpeed's ZeRO-1: default and best"): each
+# partition's gradients are reduced to its owner (dist.reduce) instead of all-reduced, the fewest bytes
+# any of its stage-1 settings sends, in buckets of 1e6 values: gloo's reduce sends more than a
+# reduce-scatter once a tensor passes 2 W MiB (4 MiB at two ranks, 1,048,576 fp32 values), and a bucket
+# bounds every reduce DeepSpeed issues (but a single parameter larger than the bucket). Every other
+# setting keeps DeepSpeed's default.
+ZERO1_BEST_OPTIONS = (("use_multi_rank_bucket_allreduce", False), ("reduce_bucket_size", 1_000_000))
 
 METHODS: Dict[str, Method] = {m.name: m for m in (
     Method("compute", "compute-only (no comm)", None),
-    Method("zero1", "DeepSpeed ZeRO-1", "AdamW", zero_stage=1),
-    Method("zero0", "DeepSpeed DP (stage 0)", "AdamW", zero_stage=0),
+    Method("zero1", "DeepSpeed ZeRO-1", "AdamW", zero_stage=1, gradient_collective="all_reduce"),
+    Method("zero1best", "DeepSpeed ZeRO-1 (best)", "AdamW", zero_stage=1, gradient_collective="reduce",
+           zero_options=ZERO1_BEST_OPTIONS),
+    Method("zero0", "DeepSpeed DP (stage 0)", "AdamW", zero_stage=0, gradient_collective="all_reduce",
+           gathers_parameters=False),
     Method("sharded", "ShardedAdamW", "ShardedAdamW", ours=True),
     Method("dpu", "DPU", "DPU", ours=True, overlapped=True),
     Method("acco", "ACCO", "ACCO", ours=True, comm_jobs=2.0, overlapped=True),
@@ -121,6 +139,55 @@ class Variant:
             param = m.parameter_bytes if m.parameter_bytes is not None else param
         return grad, param
 
+    def comm_passes(self, world_size: int, backend: str = "gloo") -> Tuple[float, float]:
+        """Passes over the model one round makes per rank, (gradients, parameters): the bytes each rank
+        sends in units of (W - 1) / W of the model (:func:`gradient_passes`); DeepSpeed's ZeRO-1 at its
+        default config all-reduces (2, 1), our engine reduce-scatters (1, 1), stage 0 (2, 0)."""
+        spec = self.method
+        return (gradient_passes(spec.gradient_collective, world_size, backend),
+                1.0 if spec.gathers_parameters else 0.0)
+
+
+GRADIENT_COLLECTIVES = ("reduce_scatter", "all_reduce", "reduce")
+
+
+def gradient_passes(collective: str, world_size: int, backend: str = "gloo") -> float:
+    """Bytes each rank sends to reduce the gradients, in passes: one pass is (W - 1) / W of the
+    gradients, what a ring reduce-scatter sends.
+
+    * ``reduce_scatter``: 1;
+    * ``all_reduce``: 2 (a ring all-reduce is a reduce-scatter then an all-gather);
+    * ``reduce``: DeepSpeed's stage 1 with ``use_multi_rank_bucket_allreduce`` false calls ``dist.reduce``
+      for each partition's share of a bucket, rooted at the partition's owner. gloo's reduce runs a
+      ring reduce-scatter over the whole tensor and then sends each non-root rank's reduced chunk to
+      the root, so over the W partitions a rank sends (W - 1) / W + (W - 1) / W^2 of the gradients:
+      (W + 1) / W passes (1.5 at two ranks, 4/3 at three), while each reduce is at most 2 W MiB (a
+      larger one sends more: ``ZERO1_BEST_OPTIONS`` bounds it with the bucket size). NCCL's reduce
+      pipelines the tensor along a chain to the root, each non-root rank sending it once: 1 pass."""
+    if collective not in GRADIENT_COLLECTIVES:
+        raise ValueError(f"unknown gradient collective {collective!r}; expected one of {GRADIENT_COLLECTIVES}")
+    if collective == "reduce_scatter" or world_size <= 1:
+        return 1.0
+    if collective == "all_reduce":
+        return 2.0
+    return 1.0 if backend == "nccl" else (world_size + 1) / world_size
+
+
+def comm_description(method: str) -> str:
+    """What ``method`` (a variant) communicates per round, for reports: for DeepSpeed's own methods, the
+    ``zero_optimization`` section it runs with, e.g. ``DeepSpeed ZeRO-1 (zero_optimization {"stage": 1}:
+    gradients all-reduced, then parameters all-gathered)``."""
+    variant = parse_variant(method)
+    spec = variant.method
+    how = {"reduce_scatter": "gradients reduce-scattered", "all_reduce": "gradients all-reduced",
+           "reduce": "each partition's gradients reduced to its owner"}[spec.gradient_collective]
+    if spec.gathers_parameters:
+        how += ", then parameters all-gathered"
+    if spec.ours or spec.zero_stage is None:
+        return f"{variant.label} ({how})"
+    zero = json.dumps({"stage": spec.zero_stage, **dict(spec.zero_options)})
+    return f"{variant.label} (zero_optimization {zero}: {how})"
+
 
 def co2_overlap_steps(method: str, local_steps: Optional[int] = None, gap_penalty=None) -> int:
     """Inner steps CO2's outer averaging must fit in (the bound): ``anchor_merge_steps`` H in eager
@@ -151,7 +218,7 @@ def _merge(base: dict, extra: dict) -> dict:
 @lru_cache(maxsize=None)
 def parse_variant(text: str) -> Variant:
     """``"acco+bf16comm"`` -> Variant; ValueError (naming ``--methods`` and the choices) otherwise."""
-    aliases = {"zero-1": "zero1", "zero": "zero1", "ddp": "zero0", "stage0": "zero0", "shardedadamw": "sharded"}
+    aliases = {"zero-1": "zero1", "zero": "zero1", "zero1-best": "zero1best", "ddp": "zero0", "stage0": "zero0", "shardedadamw": "sharded"}
     parts = [x.strip().lower() for x in str(text).split("+")]
     base = aliases.get(parts[0], parts[0])
     if base not in METHODS:
@@ -220,7 +287,7 @@ def ds_config(method: str, *, world_size: int, micro_batch: int, grad_accum: int
         "scheduler": _scheduler(lr_schedule, lr, warmup, total_updates),
     }
     if spec.zero_stage is not None:
-        cfg["zero_optimization"] = {"stage": spec.zero_stage}
+        cfg["zero_optimization"] = {"stage": spec.zero_stage, **dict(spec.zero_options)}
     if bf16:
         cfg["bf16"] = {"enabled": True}
     for modifier in variant.modifiers:
