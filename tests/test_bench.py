@@ -158,7 +158,7 @@ def test_defaults_derive_eval_interval_and_max_updates():
     assert (args.target_loss, args.eval_every, args.max_updates, args.precision_requested) == ("auto", 5, 150, "auto")
     assert args.precision in ("bf16", "fp32") and args.precision_why.startswith(args.precision)
     assert (args.bandwidth, args.local_steps, args.warmup_sync_updates) == ("auto", None, None)
-    assert resolve_methods(args.methods) == ["zero1", "acco", "acco+q8", "co2", "dpu"]
+    assert resolve_methods(args.methods) == ["zero1", "zero1best", "sharded", "acco", "co2", "dpu"]
     assert (args.nodes, args.ranks_per_node, args.seeds) == (2, 1, [0])
     args = build_parser().parse_args(["--target-loss", "none", "--updates", "30"])
     check_args(args, resolve_methods(args.methods))

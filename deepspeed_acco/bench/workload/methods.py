@@ -56,7 +56,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
 )}
 # The demo: DeepSpeed's ZeRO-1 against the overlapped methods at their engine defaults, ACCO also with
 # int8 communication (zero0 and sharded stay one flag away, --methods).
-DEFAULT_METHODS = ("zero1", "acco", "acco+q8", "co2", "dpu")
+DEFAULT_METHODS = ("zero1", "zero1best", "sharded", "acco", "co2", "dpu")
 BASELINE = "zero1"
 MIN_LR_FRACTION = 0.1  # warm up from, and decay to, lr / 10 (DeepSpeed's first two updates run at the minimum)
 
