@@ -611,15 +611,43 @@ def test_cluster_links_are_full_duplex_per_node_and_removed():
         m = netns.measure_cluster(c, seconds=0.5, env=_env())
         assert_full_duplex(200e6, m["one_way_bps"], m["duplex_bps"], m)
         # The machine's CPU during the duplex transfer, per MB: moving bytes over TCP costs the kernel
-        # something (1.66-2.8 ms per MB on a 2-core AMD EPYC), and far less than a core's whole span.
+        # something (docs/bench.md: about 1 ms per MB at 400 Mbit/s on 2 cores), and far less than a
+        # core's whole span.
         cpu = m["duplex_cpu_ms_per_mb"]
         assert set(cpu) == {"user", "system", "irq", "softirq"} and min(cpu.values()) >= 0.0, cpu
         assert 0.0 < cpu["system"] + cpu["softirq"] + cpu["irq"] < 1e3 / (2 * 200 / 8), cpu
     assert not set(names) & set(_our_namespaces())
     from deepspeed_acco.bench.summary import network_cpu_lines
     line, = network_cpu_lines(dict(duplex_cpu_ms_per_mb=dict(user=0.1, system=1.1, irq=0.0, softirq=0.6)))
-    assert "1.80 ms per MB delivered, 1.70 of it in the kernel" in line, line
+    assert "1.80 ms per MB delivered, 1.70 of it in the kernel" in line and "floor" not in line, line
+    line, = network_cpu_lines(dict(duplex_cpu_ms_per_mb=dict(user=0.1, system=0.5, irq=0.0, softirq=0.2),
+                                   loopback_cpu_ms_per_mb=dict(user=0.05, system=0.25, irq=0.0, softirq=0.1)))
+    assert "0.80 ms per MB delivered, 0.70 of it in the kernel" in line, line
+    assert "floor any TCP cluster pays, 0.40 ms per MB (2.0x)" in line, line
     assert network_cpu_lines(dict(measured_bps=1e8)) == []
+
+
+def test_transfer_cpu_spans_every_transfer_and_counts_both_directions():
+    cpu = lambda user, system: dict(user=user, system=system, irq=0.0, softirq=0.1 * system, steal=0.01)
+    mark = lambda t, user, system, own: dict(t=t, cpu=cpu(user, system), own=own)
+    results = [dict(received_bytes=100e6, start=mark(10.0, 1.0, 2.0, 5.0), end=mark(12.0, 1.05, 2.1, 5.04)),
+               dict(received_bytes=100e6, start=mark(10.1, 1.01, 2.01, 7.0), end=mark(12.5, 1.06, 2.2, 7.06))]
+    out = netns.transfer_cpu(results)
+    # From the first start (t=10.0) to the last end (t=12.5), per 200 MB.
+    assert out["megabytes"] == 200 and out["span_s"] == 2.5
+    m = out["machine_ms_per_mb"]
+    assert m["user"] == pytest.approx(0.3) and m["system"] == pytest.approx(1.0) and m["softirq"] == pytest.approx(0.1)
+    assert out["processes_ms_per_mb"] == pytest.approx(0.5)
+    assert netns.transfer_cpu([dict(received_bytes=1e6, start=None, end=None)]) is None
+
+
+@needs_netns
+def test_loopback_floor_is_measured_in_a_namespace_that_is_removed():
+    before = set(_our_namespaces())
+    m = netns.measure_loopback(50, env=_env())
+    assert set(_our_namespaces()) == before
+    assert m["megabytes"] == pytest.approx(100) and all(x > 100e6 for x in m["duplex_bps"]), m
+    assert 0.0 < sum(m["machine_ms_per_mb"].values()) and 0.0 < m["processes_ms_per_mb"], m
 
 
 def test_report_names_the_update_kernels_our_engines_ran():

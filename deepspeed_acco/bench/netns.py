@@ -60,6 +60,7 @@ _OUR_NAMESPACE = re.compile(r"acco-(\d+)-\d+(?:-(?:sw|n\d+))?")
 TRANSFER_PORT = 5201
 
 
+
 def parse_bandwidth(text) -> Optional[float]:
     """``"1gbit"``, ``"300mbit"``, ``"300M"``, ``"2.5e8"`` -> bits/s; ``"none"``/``"0"``/``None`` -> None (no shaping).
 
@@ -358,42 +359,94 @@ def measure_rate(ns: Optional[Namespace], seconds: float = 1.0, env=None) -> flo
     return float(json.loads(res.stdout.strip().splitlines()[-1])["bps"])
 
 
+def run_transfers(plan, seconds: Optional[float] = None, megabytes: Optional[float] = None,
+                  env=None) -> List[dict]:
+    """Run ``python -m deepspeed_acco.bench.netns transfer`` once per entry of ``plan``, all at once, and
+    return what each printed. An entry is ``(prefix, listen, send_to)``: the command prefix that runs it
+    (e.g. a node's ``ip netns exec``), the ``ADDR:PORT`` it receives one connection on and the one it
+    sends to (either None). Each sender sends for ``seconds``, or ``megabytes`` (10^6 bytes)."""
+    limit = 60 + 4 * (seconds if seconds is not None else 0) + (megabytes or 0) / 2
+    procs = []
+    for prefix, listen, send_to in plan:
+        cmd = list(prefix) + [sys.executable, "-m", "deepspeed_acco.bench.netns", "transfer"]
+        cmd += ["--megabytes", str(megabytes)] if megabytes is not None else ["--seconds", str(seconds)]
+        if listen:
+            cmd += ["--listen", listen]
+        if send_to is not None:
+            cmd += ["--send-to", send_to]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    out, problem = [], None
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            problem = "timed out"
+            break
+        if proc.returncode != 0:
+            problem = f"failed: {stderr.strip()[-500:]}"
+            break
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    if problem is not None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        raise RuntimeError(f"link measurement (bulk TCP transfers) {problem}")
+    return out
+
+
+def transfer_cpu(results: List[dict]) -> Optional[Dict[str, object]]:
+    """The CPU that the transfers of :func:`run_transfers` cost, per MB (10^6 bytes) delivered.
+
+    ``machine_ms_per_mb``: the whole machine's CPU (/proc/stat, by kind of :data:`BUSY_KINDS`) from the
+    first transfer's connection to the last one's end, per MB delivered in all directions; it holds
+    everything the kernel does for the traffic (TCP, veths, bridge, tbf, their softirqs wherever they
+    ran) and whatever else ran on the machine meanwhile. ``processes_ms_per_mb``: the transfer
+    processes' own user and system time over their transfers, which on a busy machine misses the
+    softirq work that ran in other processes' time but counts nothing of theirs. None when the
+    processes could not read their CPU."""
+    if not results or any(r.get("start") is None or r.get("end") is None for r in results):
+        return None
+    first = min((r["start"] for r in results), key=lambda mark: mark["t"])
+    last = max((r["end"] for r in results), key=lambda mark: mark["t"])
+    megabytes = sum(r.get("received_bytes") or 0 for r in results) / 1e6
+    if megabytes <= 0 or first["cpu"] is None or last["cpu"] is None:
+        return None
+    machine = {kind: 1e3 * (last["cpu"][kind] - first["cpu"][kind]) / megabytes for kind in BUSY_KINDS}
+    own = sum(r["end"]["own"] - r["start"]["own"] for r in results)
+    return dict(megabytes=megabytes, span_s=last["t"] - first["t"], machine_ms_per_mb=machine,
+                steal_ms_per_mb=1e3 * (last["cpu"]["steal"] - first["cpu"]["steal"]) / megabytes,
+                processes_ms_per_mb=1e3 * own / megabytes)
+
+
 def measure_cluster(cluster: Cluster, seconds: float = 1.0, env=None) -> Dict[str, object]:
     """Bulk TCP transfers between nodes 1 and 0 of ``cluster``: one direction alone (``one_way_bps``:
     what one node's link carries), then both directions at once (``duplex_bps``: the two receive
-    rates; each close to ``one_way_bps`` on a full-duplex link)."""
-    def transfers(plan):
-        procs = []
-        for k, listen, send_to in plan:
-            cmd = cluster.node_prefix(k) + [sys.executable, "-m", "deepspeed_acco.bench.netns", "transfer",
-                                            "--seconds", str(seconds)]
-            if listen:
-                cmd += ["--listen", f"{cluster.node_address(k)}:{TRANSFER_PORT}"]
-            if send_to is not None:
-                cmd += ["--send-to", f"{cluster.node_address(send_to)}:{TRANSFER_PORT}"]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        out = []
-        for proc in procs:
-            try:
-                stdout, stderr = proc.communicate(timeout=60 + 4 * seconds)
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError("link measurement between the emulated nodes timed out") from None
-            if proc.returncode != 0:
-                raise RuntimeError(f"link measurement between the emulated nodes failed: {stderr.strip()[-500:]}")
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
-        return out
+    rates; each close to ``one_way_bps`` on a full-duplex link), and the machine's CPU per MB
+    delivered while both ran (``duplex_cpu_ms_per_mb``, by kind; :func:`transfer_cpu`)."""
+    def at(k):
+        return f"{cluster.node_address(k)}:{TRANSFER_PORT}"
 
-    one_way = transfers([(0, True, None), (1, False, 0)])[0]
-    duplex = transfers([(0, True, 1), (1, True, 0)])
+    one_way = run_transfers([(cluster.node_prefix(0), at(0), None), (cluster.node_prefix(1), None, at(0))],
+                            seconds=seconds, env=env)[0]
+    duplex = run_transfers([(cluster.node_prefix(0), at(0), at(1)), (cluster.node_prefix(1), at(1), at(0))],
+                           seconds=seconds, env=env)
     out = dict(one_way_bps=float(one_way["received_bps"]), duplex_bps=[float(x["received_bps"]) for x in duplex])
-    cpu = duplex[0].get("cpu")
-    if cpu and duplex[0].get("cpu_span_s"):
-        # The machine's CPU while both directions ran (node 0's sending span), per MB delivered in it.
-        megabytes = sum(out["duplex_bps"]) * duplex[0]["cpu_span_s"] / 8e6
-        if megabytes > 0:
-            out["duplex_cpu_ms_per_mb"] = {name: 1e3 * seconds / megabytes for name, seconds in cpu.items()}
+    cpu = transfer_cpu(duplex)
+    if cpu is not None:
+        out["duplex_cpu_ms_per_mb"] = cpu["machine_ms_per_mb"]
+    return out
+
+
+def measure_loopback(megabytes: float = 200.0, env=None) -> Dict[str, object]:
+    """The floor any TCP cluster pays: ``megabytes`` each way at once between two processes over a
+    loopback (a private, unshaped namespace's, the same kernel path as the host's, with nothing of
+    the host's network touched): the two receive rates (``duplex_bps``) and :func:`transfer_cpu`."""
+    with Namespace(None) as ns:
+        a, b = f"127.0.0.1:{TRANSFER_PORT}", f"127.0.0.1:{TRANSFER_PORT + 1}"
+        res = run_transfers([(ns.prefix(), a, b), (ns.prefix(), b, a)], megabytes=megabytes, env=env)
+    out = dict(duplex_bps=[float(x["received_bps"]) for x in res])
+    out.update(transfer_cpu(res) or {})
     return out
 
 
@@ -414,22 +467,42 @@ def cpu_times() -> Optional[Dict[str, float]]:
                 softirq=values[6] / tick, steal=(values[7] if len(values) > 7 else 0) / tick)
 
 
+def _own_cpu() -> float:
+    """This process's user + system CPU seconds so far, all its threads."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _mark() -> dict:
+    """A point of a transfer: the monotonic clock (shared by every process of the machine), the
+    machine's CPU (:func:`cpu_times`) and this process's (:func:`_own_cpu`)."""
+    return dict(t=time.perf_counter(), cpu=cpu_times(), own=_own_cpu())
+
+
 def _receiver(server: socket.socket, result: dict) -> threading.Thread:
-    """Accept one connection on ``server`` and record the rate it delivered (bits/s) in ``result``."""
+    """Accept one connection on ``server`` and record in ``result`` the rate it delivered (``bps``,
+    bits/s, from its first to its last bytes), the bytes (``bytes``) and a :func:`_mark` taken on
+    accepting it (``accepted``)."""
     def receive():
         conn, _ = server.accept()
+        result["accepted"] = _mark()
         n, first, last = 0, None, None
+        # Into one buffer, as a collective library receives: recv() would allocate (and map) a new
+        # 1 MiB object per call, whose cost counts against the link at rates that deliver a packet a call.
+        buffer = bytearray(1 << 20)
         while True:
-            data = conn.recv(1 << 20)
-            if not data:
+            got = conn.recv_into(buffer)
+            if not got:
                 break
             now = time.perf_counter()
             if first is None:
                 first = now
-            n += len(data)
+            n += got
             last = now
         conn.close()
         span = (last - first) if first is not None else 0.0
+        result["bytes"] = n
         result["bps"] = 8.0 * n / span if span > 0 else float("inf")
 
     th = threading.Thread(target=receive, daemon=True)
@@ -438,9 +511,9 @@ def _receiver(server: socket.socket, result: dict) -> threading.Thread:
 
 
 def _send(address: Tuple[str, int], seconds: float, connect_timeout_s: float = 20.0,
-          on_connected: Optional[Callable[[], None]] = None) -> None:
+          on_connected: Optional[Callable[[], None]] = None, total_bytes: Optional[int] = None) -> None:
     """Connect to ``address`` (retrying until its listener is up), call ``on_connected``, and send for
-    ``seconds``."""
+    ``seconds``, or ``total_bytes`` when given."""
     deadline = time.perf_counter() + connect_timeout_s
     while True:
         try:
@@ -452,10 +525,16 @@ def _send(address: Tuple[str, int], seconds: float, connect_timeout_s: float = 2
             time.sleep(0.05)
     if on_connected is not None:
         on_connected()
-    chunk = b"\x00" * (1 << 20)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        client.sendall(chunk)
+    chunk = memoryview(b"\x00" * (1 << 20))
+    if total_bytes is not None:
+        left = int(total_bytes)
+        while left > 0:
+            client.sendall(chunk[:min(left, len(chunk))])
+            left -= len(chunk)
+    else:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            client.sendall(chunk)
     client.close()
 
 
@@ -483,6 +562,8 @@ def main(argv=None) -> int:
     p.add_argument("command", choices=["measure", "transfer"],
                    help="measure: over 127.0.0.1 in one process; transfer: between nodes (--listen / --send-to)")
     p.add_argument("--seconds", type=float, default=1.0)
+    p.add_argument("--megabytes", type=float, default=None,
+                   help="transfer: send this many MB (10^6 bytes) instead of for --seconds")
     p.add_argument("--listen", default=None, metavar="ADDR:PORT", help="transfer: receive one connection here")
     p.add_argument("--send-to", default=None, metavar="ADDR:PORT", help="transfer: send to this listener")
     args = p.parse_args(argv)
@@ -497,20 +578,20 @@ def main(argv=None) -> int:
         server.bind(_address(args.listen))
         server.listen(1)
         th = _receiver(server, got)
-    result = {}
+    # The marks bound what this process measured: from its sending connection on (or its receiving
+    # one when it only receives), so that no process's start-up is counted, to the end of both.
+    marks = {}
     if args.send_to:
-        # The machine's CPU is read over the sending span, from the connection on (so the peer's
-        # process has started, and its start-up is not counted).
-        mark = {}
-        _send(_address(args.send_to), args.seconds,
-              on_connected=lambda: mark.update(cpu=cpu_times(), start=time.perf_counter()))
-        after, end = cpu_times(), time.perf_counter()
-        if mark.get("cpu") is not None and after is not None:
-            result.update(cpu={name: after[name] - mark["cpu"][name] for name in BUSY_KINDS},
-                          cpu_span_s=end - mark["start"])
+        total = None if args.megabytes is None else int(args.megabytes * 1e6)
+        _send(_address(args.send_to), args.seconds, on_connected=lambda: marks.update(connected=_mark()),
+              total_bytes=total)
     if th is not None:
-        th.join(timeout=30 + 2 * args.seconds)
-    print(json.dumps(dict(received_bps=got.get("bps"), **result)))
+        th.join(timeout=30 + 2 * args.seconds + (args.megabytes or 0))
+    end = _mark()
+    start = marks.get("connected") or got.get("accepted")
+    if args.send_to and got.get("accepted") and got["accepted"]["t"] < start["t"]:
+        start = got["accepted"]
+    print(json.dumps(dict(received_bps=got.get("bps"), received_bytes=got.get("bytes", 0), start=start, end=end)))
     return 0
 
 
