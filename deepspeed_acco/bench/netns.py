@@ -12,9 +12,11 @@ node sends) and on the switch's port toward the node (what the node receives). S
 node's egress would let N - 1 senders deliver to one node at (N - 1) x the rate at once; with the
 switch side shaped too a node never receives faster than its link, whatever the number of nodes.
 The two directions are separate queues, so a link is full duplex: a node sends and receives at the
-full rate at the same time (:func:`measure_cluster` checks both). The ranks of one node talk over
-that node's loopback, which is not shaped: traffic to the node's own address is routed through
-``lo`` by the kernel, never through the veth.
+full rate at the same time (:func:`measure_cluster` checks both). The links carry 64 KiB frames
+(:data:`LINK_MTU`) in packets of up to 256 KiB (:func:`packet_size`): the network runs on the ranks'
+cores, and most of its work is per packet. The ranks of one node talk over that node's loopback,
+which is not shaped: traffic to the node's own address is routed through ``lo`` by the kernel,
+never through the veth.
 
 **Loopback** (:class:`Namespace`, ``--nodes 1``, what results before 2026-12-01 used). All ranks
 run in one namespace and talk over its loopback, shaped with ``tbf``: both directions of the
@@ -40,6 +42,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -58,6 +61,20 @@ MAX_NODES = 250
 # Our namespace names: loopback ``acco-<pid>-<n>``, cluster ``acco-<pid>-<n>-sw`` and ``acco-<pid>-<n>-n<k>``.
 _OUR_NAMESPACE = re.compile(r"acco-(\d+)-\d+(?:-(?:sw|n\d+))?")
 TRANSFER_PORT = 5201
+LINK_MTU = 65535
+"""The MTU of the cluster's links (both veth ends and the bridge), the largest a veth takes. The
+network's CPU is mostly per packet: a duplex transfer at 400 Mbit/s on 2 cores cost 1.06 ms of CPU
+per MB delivered with 1500-byte frames, 0.89 with 64 KiB frames and 0.65 with 256 KiB packets
+(:data:`LARGE_PACKET`), against 0.40 over a loopback (docs/bench.md, "The emulated network's CPU")."""
+LARGE_PACKET = 4 * 65536
+"""The veths' GSO size, the largest packet TCP hands them, on links where such a packet takes at most
+:data:`LARGE_PACKET_MAX_S`: four 64 KiB frames (Linux takes more than 64 KiB for IPv4 since 6.3)."""
+LARGE_PACKET_MAX_S = 0.010
+"""A message queued behind a packet waits for it: packets of :data:`LARGE_PACKET` from about
+210 Mbit/s on, 64 KiB (the kernel's GSO size) below."""
+SETTLE_BYTES = 1 << 19
+"""A transfer's rate is measured after its first 512 KiB, past the bucket that tbf fills while a
+link is idle and lets through at once (:func:`tbf_args`)."""
 
 
 
@@ -179,11 +196,19 @@ def _delete_namespace(name: str) -> None:
         _created.remove(name)
 
 
-def tbf_args(bps: float) -> List[str]:
-    """tbf parameters: the bucket holds ~4 ms of traffic (at least 4 loopback-sized 64 KiB packets, so
-    large GSO packets are never dropped for being bigger than the bucket), and the queue 50 ms."""
+def packet_size(bps: Optional[float]) -> int:
+    """The largest packet of a cluster's links at ``bps`` (None: unshaped): :data:`LARGE_PACKET` where
+    it takes at most :data:`LARGE_PACKET_MAX_S`, else 64 KiB (the kernel's GSO size)."""
+    return LARGE_PACKET if bps is None or LARGE_PACKET * 8 / bps <= LARGE_PACKET_MAX_S else 65536
+
+
+def tbf_args(bps: float, packet: int = 65536) -> List[str]:
+    """tbf parameters for packets of up to ``packet`` bytes: the bucket holds ~4 ms of traffic and at
+    least one such packet and 64 KiB more (1 KiB for headers and tc's rounding), so that no packet
+    is bigger than the bucket (tbf would split or drop it) and a packet its timer releases a little
+    late loses no tokens; the queue holds 50 ms."""
     rate_bytes = bps / 8.0
-    burst = int(max(4 * 65536, rate_bytes * 0.004))
+    burst = int(max(packet + 65536 + 1024, rate_bytes * 0.004))
     return ["rate", f"{int(bps)}bit", "burst", str(burst), "latency", "50ms"]
 
 
@@ -248,6 +273,8 @@ class Cluster:
         self._tag = f"a{pid}"
         self.bridge = f"{self._tag}br"
         self.created = False
+        self.gso_size = 65536
+        """The veths' GSO size: :func:`packet_size`, or 64 KiB where the kernel refused more."""
 
     def node_ifname(self, k: int) -> str:
         return f"{self._tag}n{k}"
@@ -266,21 +293,28 @@ class Cluster:
         self.created = True
         try:
             _add_namespace(self.switch)
-            _run(["ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "-n", self.switch, "link", "add", self.bridge, "mtu", str(LINK_MTU), "type", "bridge"])
             _run(["ip", "-n", self.switch, "link", "set", self.bridge, "up"])
             for k, node in enumerate(self.nodes):
                 nic, port = self.node_ifname(k), self.port_ifname(k)
                 _add_namespace(node)
                 _run(["ip", "-n", node, "link", "set", "lo", "up"])
                 # Both ends are created inside their namespaces: the host's network never sees them.
-                _run(["ip", "-n", node, "link", "add", nic, "type", "veth", "peer", "name", port, "netns", self.switch])
+                _run(["ip", "-n", node, "link", "add", nic, "mtu", str(LINK_MTU), "type", "veth", "peer", "name", port,
+                      "mtu", str(LINK_MTU), "netns", self.switch])
                 _run(["ip", "-n", self.switch, "link", "set", port, "master", self.bridge])
                 _run(["ip", "-n", self.switch, "link", "set", port, "up"])
                 _run(["ip", "-n", node, "addr", "add", f"{self.node_address(k)}/{NODE_PREFIX_LEN}", "dev", nic])
                 _run(["ip", "-n", node, "link", "set", nic, "up"])
                 if self.bps is not None:
-                    _run(["tc", "-n", node, "qdisc", "add", "dev", nic, "root", "tbf"] + tbf_args(self.bps))
-                    _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "tbf"] + tbf_args(self.bps))
+                    tbf = tbf_args(self.bps, packet_size(self.bps))
+                    _run(["tc", "-n", node, "qdisc", "add", "dev", nic, "root", "tbf"] + tbf)
+                    _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "tbf"] + tbf)
+            # Before any connection: TCP reads the GSO size when it connects.
+            if packet_size(self.bps) > 65536:
+                sizes = [_set_gso_size(self.switch, [self.port_ifname(k) for k in range(self.num_nodes)])]
+                sizes += [_set_gso_size(node, [self.node_ifname(k)]) for k, node in enumerate(self.nodes)]
+                self.gso_size = LARGE_PACKET if all(sizes) else 65536
         except Exception:
             self.delete()
             raise
@@ -303,6 +337,39 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.delete()
+
+
+_RTM_NEWLINK, _NLM_F_REQUEST, _NLM_F_ACK, _NLMSG_ERROR = 16, 1, 4, 2
+_IFLA_GSO_MAX_SIZE, _IFLA_GSO_IPV4_MAX_SIZE = 41, 63
+
+
+def set_gso_size(devices: List[str], size: int) -> None:
+    """Set the GSO size of ``devices`` of this process's namespace, IPv4's included, by rtnetlink
+    (iproute2 sets IPv4's only since 6.3). Raises OSError where the kernel refuses the size."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as sock:
+        for seq, dev in enumerate(devices, 1):
+            attrs = b"".join(struct.pack("=HHI", 8, kind, size)
+                             for kind in (_IFLA_GSO_MAX_SIZE, _IFLA_GSO_IPV4_MAX_SIZE))
+            body = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, socket.if_nametoindex(dev), 0, 0) + attrs
+            sock.send(struct.pack("=IHHII", 16 + len(body), _RTM_NEWLINK, _NLM_F_REQUEST | _NLM_F_ACK, seq, 0) + body)
+            reply = sock.recv(65536)
+            kind, = struct.unpack_from("=H", reply, 4)
+            error, = struct.unpack_from("=i", reply, 16)
+            if kind != _NLMSG_ERROR or error:
+                raise OSError(-error, f"setting the GSO size of {dev} to {size}: {os.strerror(-error)}")
+
+
+def _set_gso_size(namespace: str, devices: List[str], size: int = LARGE_PACKET) -> Optional[int]:
+    """:func:`set_gso_size` to ``size`` inside ``namespace``; the size, or None where the
+    kernel refused it (before 5.19 no device takes more than 64 KiB; the link works as well, at more
+    CPU per MB; between 5.19 and 6.3 IPv4 ignores it)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    res = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-m", "deepspeed_acco.bench.netns", "gso"]
+                         + devices + ["--size", str(size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    return size if res.returncode == 0 else None
 
 
 def cleanup_all() -> None:
@@ -482,12 +549,12 @@ def _mark() -> dict:
 
 def _receiver(server: socket.socket, result: dict) -> threading.Thread:
     """Accept one connection on ``server`` and record in ``result`` the rate it delivered (``bps``,
-    bits/s, from its first to its last bytes), the bytes (``bytes``) and a :func:`_mark` taken on
-    accepting it (``accepted``)."""
+    bits/s, from its first :data:`SETTLE_BYTES` to its last bytes; from its first bytes when it
+    delivered fewer), the bytes (``bytes``) and a :func:`_mark` taken on accepting it (``accepted``)."""
     def receive():
         conn, _ = server.accept()
         result["accepted"] = _mark()
-        n, first, last = 0, None, None
+        n, first, last, settled = 0, None, None, None
         # Into one buffer, as a collective library receives: recv() would allocate (and map) a new
         # 1 MiB object per call, whose cost counts against the link at rates that deliver a packet a call.
         buffer = bytearray(1 << 20)
@@ -497,13 +564,16 @@ def _receiver(server: socket.socket, result: dict) -> threading.Thread:
                 break
             now = time.perf_counter()
             if first is None:
-                first = now
+                first = (now, n)
             n += got
             last = now
+            if settled is None and n >= SETTLE_BYTES:
+                settled = (now, n)
         conn.close()
-        span = (last - first) if first is not None else 0.0
+        start_t, start_n = settled if settled is not None and last > settled[0] else (first or (0.0, 0))
+        span = (last - start_t) if first is not None else 0.0
         result["bytes"] = n
-        result["bps"] = 8.0 * n / span if span > 0 else float("inf")
+        result["bps"] = 8.0 * (n - start_n) / span if span > 0 else float("inf")
 
     th = threading.Thread(target=receive, daemon=True)
     th.start()
@@ -559,8 +629,11 @@ def _address(text: str) -> Tuple[str, int]:
 def main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(description="bulk TCP transfer tests (run inside the bench's namespaces)")
-    p.add_argument("command", choices=["measure", "transfer"],
-                   help="measure: over 127.0.0.1 in one process; transfer: between nodes (--listen / --send-to)")
+    p.add_argument("command", choices=["measure", "transfer", "gso"],
+                   help="measure: over 127.0.0.1 in one process; transfer: between nodes (--listen / --send-to); "
+                        "gso: set the GSO size of DEVICES (--size)")
+    p.add_argument("devices", nargs="*", metavar="DEVICES")
+    p.add_argument("--size", type=int, default=LARGE_PACKET, help="gso: bytes")
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--megabytes", type=float, default=None,
                    help="transfer: send this many MB (10^6 bytes) instead of for --seconds")
@@ -569,6 +642,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.command == "measure":
         print(json.dumps({"bps": _transfer_test(args.seconds)}))
+        return 0
+    if args.command == "gso":
+        set_gso_size(args.devices, args.size)
         return 0
     got: dict = {}
     th = None
@@ -591,7 +667,8 @@ def main(argv=None) -> int:
     start = marks.get("connected") or got.get("accepted")
     if args.send_to and got.get("accepted") and got["accepted"]["t"] < start["t"]:
         start = got["accepted"]
-    print(json.dumps(dict(received_bps=got.get("bps"), received_bytes=got.get("bytes", 0), start=start, end=end)))
+    print(json.dumps(dict(received_bps=got.get("bps"), received_bytes=got.get("bytes", 0), start=start, end=end,
+                          pid=os.getpid())))
     return 0
 
 
