@@ -39,8 +39,8 @@ def _bench(out, eval_every: int, trace: str = "") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     # The 3.3M model: its rounds (6.6 MB each way per collective in fp32) are far larger than the shaped
-    # link's token bucket (256 KiB, netns.tbf_args), which a link left idle refills: with a model that
-    # fits in it, an idle link would pass a whole round at once.
+    # link's token bucket (129 KiB at 100 Mbit/s, netns.tbf_args), which a link left idle refills: with a
+    # model that fits in it, an idle link would pass a whole round at once.
     cmd = [sys.executable, "-m", "deepspeed_acco.bench", "--model", "3m", "--ctx", "64", "--val-windows", "8",
            "--out", str(out), "--no-progress", "--no-plots", "--nodes", "2", "--bandwidth", "100mbit",
            "--updates", str(UPDATES), "--eval-every", str(eval_every), "--methods", "zero1,acco",

@@ -226,8 +226,13 @@ def test_cli_needs_sizes(tmp_path):
 def test_bucket_points_and_fit_on_an_emulated_link():
     # On the tbf link a call that fits in the bucket costs alpha only; a large one alpha + beta x bytes.
     alpha, bps = 0.4e-3, 97e6
-    bucket = latency.shaper_bucket_bytes(dict(link=dict(nominal_bps=100e6)))
-    assert bucket == 262144
+    link = dict(nominal_bps=100e6, qdisc="node 0 egress (a1n0): qdisc tbf 8250: root refcnt 3 rate 100Mbit burst 256Kb "
+                                          "lat 50ms; switch port toward node 0 (a1s0): ...")
+    bucket = latency.shaper_bucket_bytes(dict(link=link))
+    assert bucket == 262144  # as the probe's link recorded it
+    # Without a record, the bucket netns.tbf_args sets at that rate (one 64 KiB packet and 64 KiB more).
+    assert latency.shaper_bucket_bytes(dict(link=dict(nominal_bps=100e6))) == 2 * 65536 + 1024
+    assert latency.shaper_bucket_bytes(dict(link=dict(link, qdisc="... burst 262100b lat 50ms"))) == 262100
     sizes = []
     for numel in (1000, 5250, 27600, 145000, 762000, 4000000):
         entry = dict(numel=numel, bytes=4 * numel)
@@ -235,7 +240,7 @@ def test_bucket_points_and_fit_on_an_emulated_link():
             x = link_bytes(c, 4 * numel, 2)
             entry[key] = sequential_messages(c, 2) * alpha + (8 / bps * x if x > bucket else 0.0)
         sizes.append(entry)
-    probe = dict(world_size=2, sizes=sizes, link=dict(nominal_bps=100e6))
+    probe = dict(world_size=2, sizes=sizes, link=link)
     points = latency.probe_points(probe, "all_gather", bucket)
     assert [x for x, _ in points] == [0.0, 0.0, 0.0, 1524000.0, 8000000.0]  # 290 kB: between regimes, left out
     fits = latency.fit_probe(probe)

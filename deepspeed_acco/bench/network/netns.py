@@ -12,9 +12,11 @@ node sends) and on the switch's port toward the node (what the node receives). S
 node's egress would let N - 1 senders deliver to one node at (N - 1) x the rate at once; with the
 switch side shaped too a node never receives faster than its link, whatever the number of nodes.
 The two directions are separate queues, so a link is full duplex: a node sends and receives at the
-full rate at the same time (:func:`measure_cluster` checks both). The ranks of one node talk over
-that node's loopback, which is not shaped: traffic to the node's own address is routed through
-``lo`` by the kernel, never through the veth.
+full rate at the same time (:func:`measure_cluster` checks both). The links carry 64 KiB frames
+(:data:`LINK_MTU`) in packets of up to 256 KiB (:func:`packet_size`): the network runs on the ranks'
+cores, and most of its work is per packet. The ranks of one node talk over that node's loopback,
+which is not shaped: traffic to the node's own address is routed through ``lo`` by the kernel,
+never through the veth.
 
 **Loopback** (:class:`Namespace`, ``--nodes 1``, what results before 2026-12-01 used). All ranks
 run in one namespace and talk over its loopback, shaped with ``tbf``: both directions of the
@@ -40,6 +42,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -58,6 +61,21 @@ MAX_NODES = 250
 # Our namespace names: loopback ``acco-<pid>-<n>``, cluster ``acco-<pid>-<n>-sw`` and ``acco-<pid>-<n>-n<k>``.
 _OUR_NAMESPACE = re.compile(r"acco-(\d+)-\d+(?:-(?:sw|n\d+))?")
 TRANSFER_PORT = 5201
+LINK_MTU = 65535
+"""The MTU of the cluster's links (both veth ends and the bridge), the largest a veth takes. The
+network's CPU is mostly per packet: a duplex transfer at 400 Mbit/s on 2 cores cost 1.06 ms of CPU
+per MB delivered with 1500-byte frames, 0.89 with 64 KiB frames and 0.65 with 256 KiB packets
+(:data:`LARGE_PACKET`), against 0.40 over a loopback (docs/bench.md, "The emulated network's CPU")."""
+LARGE_PACKET = 4 * 65536
+"""The veths' GSO size, the largest packet TCP hands them, on links where such a packet takes at most
+:data:`LARGE_PACKET_MAX_S`: four 64 KiB frames (Linux takes more than 64 KiB for IPv4 since 6.3)."""
+LARGE_PACKET_MAX_S = 0.010
+"""A message queued behind a packet waits for it: packets of :data:`LARGE_PACKET` from about
+210 Mbit/s on, 64 KiB (the kernel's GSO size) below."""
+SETTLE_BYTES = 1 << 19
+"""A transfer's rate is measured after its first 512 KiB, past the bucket that tbf fills while a
+link is idle and lets through at once (:func:`tbf_args`)."""
+
 
 
 def parse_bandwidth(text) -> Optional[float]:
@@ -178,11 +196,19 @@ def _delete_namespace(name: str) -> None:
         _created.remove(name)
 
 
-def tbf_args(bps: float) -> List[str]:
-    """tbf parameters: the bucket holds ~4 ms of traffic (at least 4 loopback-sized 64 KiB packets, so
-    large GSO packets are never dropped for being bigger than the bucket), and the queue 50 ms."""
+def packet_size(bps: Optional[float]) -> int:
+    """The largest packet of a cluster's links at ``bps`` (None: unshaped): :data:`LARGE_PACKET` where
+    it takes at most :data:`LARGE_PACKET_MAX_S`, else 64 KiB (the kernel's GSO size)."""
+    return LARGE_PACKET if bps is None or LARGE_PACKET * 8 / bps <= LARGE_PACKET_MAX_S else 65536
+
+
+def tbf_args(bps: float, packet: int = 65536) -> List[str]:
+    """tbf parameters for packets of up to ``packet`` bytes: the bucket holds ~4 ms of traffic and at
+    least one such packet and 64 KiB more (1 KiB for headers and tc's rounding), so that no packet
+    is bigger than the bucket (tbf would split or drop it) and a packet its timer releases a little
+    late loses no tokens; the queue holds 50 ms."""
     rate_bytes = bps / 8.0
-    burst = int(max(4 * 65536, rate_bytes * 0.004))
+    burst = int(max(packet + 65536 + 1024, rate_bytes * 0.004))
     return ["rate", f"{int(bps)}bit", "burst", str(burst), "latency", "50ms"]
 
 
@@ -247,6 +273,8 @@ class Cluster:
         self._tag = f"a{pid}"
         self.bridge = f"{self._tag}br"
         self.created = False
+        self.gso_size = 65536
+        """The veths' GSO size: :func:`packet_size`, or 64 KiB where the kernel refused more."""
 
     def node_ifname(self, k: int) -> str:
         return f"{self._tag}n{k}"
@@ -265,21 +293,28 @@ class Cluster:
         self.created = True
         try:
             _add_namespace(self.switch)
-            _run(["ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "-n", self.switch, "link", "add", self.bridge, "mtu", str(LINK_MTU), "type", "bridge"])
             _run(["ip", "-n", self.switch, "link", "set", self.bridge, "up"])
             for k, node in enumerate(self.nodes):
                 nic, port = self.node_ifname(k), self.port_ifname(k)
                 _add_namespace(node)
                 _run(["ip", "-n", node, "link", "set", "lo", "up"])
                 # Both ends are created inside their namespaces: the host's network never sees them.
-                _run(["ip", "-n", node, "link", "add", nic, "type", "veth", "peer", "name", port, "netns", self.switch])
+                _run(["ip", "-n", node, "link", "add", nic, "mtu", str(LINK_MTU), "type", "veth", "peer", "name", port,
+                      "mtu", str(LINK_MTU), "netns", self.switch])
                 _run(["ip", "-n", self.switch, "link", "set", port, "master", self.bridge])
                 _run(["ip", "-n", self.switch, "link", "set", port, "up"])
                 _run(["ip", "-n", node, "addr", "add", f"{self.node_address(k)}/{NODE_PREFIX_LEN}", "dev", nic])
                 _run(["ip", "-n", node, "link", "set", nic, "up"])
                 if self.bps is not None:
-                    _run(["tc", "-n", node, "qdisc", "add", "dev", nic, "root", "tbf"] + tbf_args(self.bps))
-                    _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "tbf"] + tbf_args(self.bps))
+                    tbf = tbf_args(self.bps, packet_size(self.bps))
+                    _run(["tc", "-n", node, "qdisc", "add", "dev", nic, "root", "tbf"] + tbf)
+                    _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "tbf"] + tbf)
+            # Before any connection: TCP reads the GSO size when it connects.
+            if packet_size(self.bps) > 65536:
+                sizes = [_set_gso_size(self.switch, [self.port_ifname(k) for k in range(self.num_nodes)])]
+                sizes += [_set_gso_size(node, [self.node_ifname(k)]) for k, node in enumerate(self.nodes)]
+                self.gso_size = LARGE_PACKET if all(sizes) else 65536
         except Exception:
             self.delete()
             raise
@@ -302,6 +337,39 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.delete()
+
+
+_RTM_NEWLINK, _NLM_F_REQUEST, _NLM_F_ACK, _NLMSG_ERROR = 16, 1, 4, 2
+_IFLA_GSO_MAX_SIZE, _IFLA_GSO_IPV4_MAX_SIZE = 41, 63
+
+
+def set_gso_size(devices: List[str], size: int) -> None:
+    """Set the GSO size of ``devices`` of this process's namespace, IPv4's included, by rtnetlink
+    (iproute2 sets IPv4's only since 6.3). Raises OSError where the kernel refuses the size."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as sock:
+        for seq, dev in enumerate(devices, 1):
+            attrs = b"".join(struct.pack("=HHI", 8, kind, size)
+                             for kind in (_IFLA_GSO_MAX_SIZE, _IFLA_GSO_IPV4_MAX_SIZE))
+            body = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, socket.if_nametoindex(dev), 0, 0) + attrs
+            sock.send(struct.pack("=IHHII", 16 + len(body), _RTM_NEWLINK, _NLM_F_REQUEST | _NLM_F_ACK, seq, 0) + body)
+            reply = sock.recv(65536)
+            kind, = struct.unpack_from("=H", reply, 4)
+            error, = struct.unpack_from("=i", reply, 16)
+            if kind != _NLMSG_ERROR or error:
+                raise OSError(-error, f"setting the GSO size of {dev} to {size}: {os.strerror(-error)}")
+
+
+def _set_gso_size(namespace: str, devices: List[str], size: int = LARGE_PACKET) -> Optional[int]:
+    """:func:`set_gso_size` to ``size`` inside ``namespace``; the size, or None where the
+    kernel refused it (before 5.19 no device takes more than 64 KiB; the link works as well, at more
+    CPU per MB; between 5.19 and 6.3 IPv4 ignores it)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    res = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-m", "deepspeed_acco.bench.network.netns", "gso"]
+                         + devices + ["--size", str(size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    return size if res.returncode == 0 else None
 
 
 def cleanup_all() -> None:
@@ -358,42 +426,94 @@ def measure_rate(ns: Optional[Namespace], seconds: float = 1.0, env=None) -> flo
     return float(json.loads(res.stdout.strip().splitlines()[-1])["bps"])
 
 
+def run_transfers(plan, seconds: Optional[float] = None, megabytes: Optional[float] = None,
+                  env=None) -> List[dict]:
+    """Run ``python -m deepspeed_acco.bench.network.netns transfer`` once per entry of ``plan``, all at once, and
+    return what each printed. An entry is ``(prefix, listen, send_to)``: the command prefix that runs it
+    (e.g. a node's ``ip netns exec``), the ``ADDR:PORT`` it receives one connection on and the one it
+    sends to (either None). Each sender sends for ``seconds``, or ``megabytes`` (10^6 bytes)."""
+    limit = 60 + 4 * (seconds if seconds is not None else 0) + (megabytes or 0) / 2
+    procs = []
+    for prefix, listen, send_to in plan:
+        cmd = list(prefix) + [sys.executable, "-m", "deepspeed_acco.bench.network.netns", "transfer"]
+        cmd += ["--megabytes", str(megabytes)] if megabytes is not None else ["--seconds", str(seconds)]
+        if listen:
+            cmd += ["--listen", listen]
+        if send_to is not None:
+            cmd += ["--send-to", send_to]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    out, problem = [], None
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            problem = "timed out"
+            break
+        if proc.returncode != 0:
+            problem = f"failed: {stderr.strip()[-500:]}"
+            break
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    if problem is not None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        raise RuntimeError(f"link measurement (bulk TCP transfers) {problem}")
+    return out
+
+
+def transfer_cpu(results: List[dict]) -> Optional[Dict[str, object]]:
+    """The CPU that the transfers of :func:`run_transfers` cost, per MB (10^6 bytes) delivered.
+
+    ``machine_ms_per_mb``: the whole machine's CPU (/proc/stat, by kind of :data:`BUSY_KINDS`) from the
+    first transfer's connection to the last one's end, per MB delivered in all directions; it holds
+    everything the kernel does for the traffic (TCP, veths, bridge, tbf, their softirqs wherever they
+    ran) and whatever else ran on the machine meanwhile. ``processes_ms_per_mb``: the transfer
+    processes' own user and system time over their transfers, which on a busy machine misses the
+    softirq work that ran in other processes' time but counts nothing of theirs. None when the
+    processes could not read their CPU."""
+    if not results or any(r.get("start") is None or r.get("end") is None for r in results):
+        return None
+    first = min((r["start"] for r in results), key=lambda mark: mark["t"])
+    last = max((r["end"] for r in results), key=lambda mark: mark["t"])
+    megabytes = sum(r.get("received_bytes") or 0 for r in results) / 1e6
+    if megabytes <= 0 or first["cpu"] is None or last["cpu"] is None:
+        return None
+    machine = {kind: 1e3 * (last["cpu"][kind] - first["cpu"][kind]) / megabytes for kind in BUSY_KINDS}
+    own = sum(r["end"]["own"] - r["start"]["own"] for r in results)
+    return dict(megabytes=megabytes, span_s=last["t"] - first["t"], machine_ms_per_mb=machine,
+                steal_ms_per_mb=1e3 * (last["cpu"]["steal"] - first["cpu"]["steal"]) / megabytes,
+                processes_ms_per_mb=1e3 * own / megabytes)
+
+
 def measure_cluster(cluster: Cluster, seconds: float = 1.0, env=None) -> Dict[str, object]:
     """Bulk TCP transfers between nodes 1 and 0 of ``cluster``: one direction alone (``one_way_bps``:
     what one node's link carries), then both directions at once (``duplex_bps``: the two receive
-    rates; each close to ``one_way_bps`` on a full-duplex link)."""
-    def transfers(plan):
-        procs = []
-        for k, listen, send_to in plan:
-            cmd = cluster.node_prefix(k) + [sys.executable, "-m", "deepspeed_acco.bench.network.netns", "transfer",
-                                            "--seconds", str(seconds)]
-            if listen:
-                cmd += ["--listen", f"{cluster.node_address(k)}:{TRANSFER_PORT}"]
-            if send_to is not None:
-                cmd += ["--send-to", f"{cluster.node_address(send_to)}:{TRANSFER_PORT}"]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        out = []
-        for proc in procs:
-            try:
-                stdout, stderr = proc.communicate(timeout=60 + 4 * seconds)
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError("link measurement between the emulated nodes timed out") from None
-            if proc.returncode != 0:
-                raise RuntimeError(f"link measurement between the emulated nodes failed: {stderr.strip()[-500:]}")
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
-        return out
+    rates; each close to ``one_way_bps`` on a full-duplex link), and the machine's CPU per MB
+    delivered while both ran (``duplex_cpu_ms_per_mb``, by kind; :func:`transfer_cpu`)."""
+    def at(k):
+        return f"{cluster.node_address(k)}:{TRANSFER_PORT}"
 
-    one_way = transfers([(0, True, None), (1, False, 0)])[0]
-    duplex = transfers([(0, True, 1), (1, True, 0)])
+    one_way = run_transfers([(cluster.node_prefix(0), at(0), None), (cluster.node_prefix(1), None, at(0))],
+                            seconds=seconds, env=env)[0]
+    duplex = run_transfers([(cluster.node_prefix(0), at(0), at(1)), (cluster.node_prefix(1), at(1), at(0))],
+                           seconds=seconds, env=env)
     out = dict(one_way_bps=float(one_way["received_bps"]), duplex_bps=[float(x["received_bps"]) for x in duplex])
-    cpu = duplex[0].get("cpu")
-    if cpu and duplex[0].get("cpu_span_s"):
-        # The machine's CPU while both directions ran (node 0's sending span), per MB delivered in it.
-        megabytes = sum(out["duplex_bps"]) * duplex[0]["cpu_span_s"] / 8e6
-        if megabytes > 0:
-            out["duplex_cpu_ms_per_mb"] = {name: 1e3 * seconds / megabytes for name, seconds in cpu.items()}
+    cpu = transfer_cpu(duplex)
+    if cpu is not None:
+        out["duplex_cpu_ms_per_mb"] = cpu["machine_ms_per_mb"]
+    return out
+
+
+def measure_loopback(megabytes: float = 200.0, env=None) -> Dict[str, object]:
+    """The floor any TCP cluster pays: ``megabytes`` each way at once between two processes over a
+    loopback (a private, unshaped namespace's, the same kernel path as the host's, with nothing of
+    the host's network touched): the two receive rates (``duplex_bps``) and :func:`transfer_cpu`."""
+    with Namespace(None) as ns:
+        a, b = f"127.0.0.1:{TRANSFER_PORT}", f"127.0.0.1:{TRANSFER_PORT + 1}"
+        res = run_transfers([(ns.prefix(), a, b), (ns.prefix(), b, a)], megabytes=megabytes, env=env)
+    out = dict(duplex_bps=[float(x["received_bps"]) for x in res])
+    out.update(transfer_cpu(res) or {})
     return out
 
 
@@ -414,23 +534,46 @@ def cpu_times() -> Optional[Dict[str, float]]:
                 softirq=values[6] / tick, steal=(values[7] if len(values) > 7 else 0) / tick)
 
 
+def _own_cpu() -> float:
+    """This process's user + system CPU seconds so far, all its threads."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _mark() -> dict:
+    """A point of a transfer: the monotonic clock (shared by every process of the machine), the
+    machine's CPU (:func:`cpu_times`) and this process's (:func:`_own_cpu`)."""
+    return dict(t=time.perf_counter(), cpu=cpu_times(), own=_own_cpu())
+
+
 def _receiver(server: socket.socket, result: dict) -> threading.Thread:
-    """Accept one connection on ``server`` and record the rate it delivered (bits/s) in ``result``."""
+    """Accept one connection on ``server`` and record in ``result`` the rate it delivered (``bps``,
+    bits/s, from its first :data:`SETTLE_BYTES` to its last bytes; from its first bytes when it
+    delivered fewer), the bytes (``bytes``) and a :func:`_mark` taken on accepting it (``accepted``)."""
     def receive():
         conn, _ = server.accept()
-        n, first, last = 0, None, None
+        result["accepted"] = _mark()
+        n, first, last, settled = 0, None, None, None
+        # Into one buffer, as a collective library receives: recv() would allocate (and map) a new
+        # 1 MiB object per call, whose cost counts against the link at rates that deliver a packet a call.
+        buffer = bytearray(1 << 20)
         while True:
-            data = conn.recv(1 << 20)
-            if not data:
+            got = conn.recv_into(buffer)
+            if not got:
                 break
             now = time.perf_counter()
             if first is None:
-                first = now
-            n += len(data)
+                first = (now, n)
+            n += got
             last = now
+            if settled is None and n >= SETTLE_BYTES:
+                settled = (now, n)
         conn.close()
-        span = (last - first) if first is not None else 0.0
-        result["bps"] = 8.0 * n / span if span > 0 else float("inf")
+        start_t, start_n = settled if settled is not None and last > settled[0] else (first or (0.0, 0))
+        span = (last - start_t) if first is not None else 0.0
+        result["bytes"] = n
+        result["bps"] = 8.0 * (n - start_n) / span if span > 0 else float("inf")
 
     th = threading.Thread(target=receive, daemon=True)
     th.start()
@@ -438,9 +581,9 @@ def _receiver(server: socket.socket, result: dict) -> threading.Thread:
 
 
 def _send(address: Tuple[str, int], seconds: float, connect_timeout_s: float = 20.0,
-          on_connected: Optional[Callable[[], None]] = None) -> None:
+          on_connected: Optional[Callable[[], None]] = None, total_bytes: Optional[int] = None) -> None:
     """Connect to ``address`` (retrying until its listener is up), call ``on_connected``, and send for
-    ``seconds``."""
+    ``seconds``, or ``total_bytes`` when given."""
     deadline = time.perf_counter() + connect_timeout_s
     while True:
         try:
@@ -452,10 +595,16 @@ def _send(address: Tuple[str, int], seconds: float, connect_timeout_s: float = 2
             time.sleep(0.05)
     if on_connected is not None:
         on_connected()
-    chunk = b"\x00" * (1 << 20)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        client.sendall(chunk)
+    chunk = memoryview(b"\x00" * (1 << 20))
+    if total_bytes is not None:
+        left = int(total_bytes)
+        while left > 0:
+            client.sendall(chunk[:min(left, len(chunk))])
+            left -= len(chunk)
+    else:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            client.sendall(chunk)
     client.close()
 
 
@@ -480,14 +629,22 @@ def _address(text: str) -> Tuple[str, int]:
 def main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(description="bulk TCP transfer tests (run inside the bench's namespaces)")
-    p.add_argument("command", choices=["measure", "transfer"],
-                   help="measure: over 127.0.0.1 in one process; transfer: between nodes (--listen / --send-to)")
+    p.add_argument("command", choices=["measure", "transfer", "gso"],
+                   help="measure: over 127.0.0.1 in one process; transfer: between nodes (--listen / --send-to); "
+                        "gso: set the GSO size of DEVICES (--size)")
+    p.add_argument("devices", nargs="*", metavar="DEVICES")
+    p.add_argument("--size", type=int, default=LARGE_PACKET, help="gso: bytes")
     p.add_argument("--seconds", type=float, default=1.0)
+    p.add_argument("--megabytes", type=float, default=None,
+                   help="transfer: send this many MB (10^6 bytes) instead of for --seconds")
     p.add_argument("--listen", default=None, metavar="ADDR:PORT", help="transfer: receive one connection here")
     p.add_argument("--send-to", default=None, metavar="ADDR:PORT", help="transfer: send to this listener")
     args = p.parse_args(argv)
     if args.command == "measure":
         print(json.dumps({"bps": _transfer_test(args.seconds)}))
+        return 0
+    if args.command == "gso":
+        set_gso_size(args.devices, args.size)
         return 0
     got: dict = {}
     th = None
@@ -497,20 +654,21 @@ def main(argv=None) -> int:
         server.bind(_address(args.listen))
         server.listen(1)
         th = _receiver(server, got)
-    result = {}
+    # The marks bound what this process measured: from its sending connection on (or its receiving
+    # one when it only receives), so that no process's start-up is counted, to the end of both.
+    marks = {}
     if args.send_to:
-        # The machine's CPU is read over the sending span, from the connection on (so the peer's
-        # process has started, and its start-up is not counted).
-        mark = {}
-        _send(_address(args.send_to), args.seconds,
-              on_connected=lambda: mark.update(cpu=cpu_times(), start=time.perf_counter()))
-        after, end = cpu_times(), time.perf_counter()
-        if mark.get("cpu") is not None and after is not None:
-            result.update(cpu={name: after[name] - mark["cpu"][name] for name in BUSY_KINDS},
-                          cpu_span_s=end - mark["start"])
+        total = None if args.megabytes is None else int(args.megabytes * 1e6)
+        _send(_address(args.send_to), args.seconds, on_connected=lambda: marks.update(connected=_mark()),
+              total_bytes=total)
     if th is not None:
-        th.join(timeout=30 + 2 * args.seconds)
-    print(json.dumps(dict(received_bps=got.get("bps"), **result)))
+        th.join(timeout=30 + 2 * args.seconds + (args.megabytes or 0))
+    end = _mark()
+    start = marks.get("connected") or got.get("accepted")
+    if args.send_to and got.get("accepted") and got["accepted"]["t"] < start["t"]:
+        start = got["accepted"]
+    print(json.dumps(dict(received_bps=got.get("bps"), received_bytes=got.get("bytes", 0), start=start, end=end,
+                          pid=os.getpid())))
     return 0
 
 

@@ -93,15 +93,22 @@ def update_kernels_line(results) -> str:
 
 
 def network_cpu_lines(link: dict) -> List[str]:
-    """The emulated network's own CPU per MB, when the link measurement read it (docs/bench.md)."""
+    """The emulated network's own CPU per MB, when the link measurement read it, and the loopback
+    floor measured beside it (docs/bench.md)."""
     cpu = link.get("duplex_cpu_ms_per_mb")
     if not cpu:
         return []
     kernel = cpu.get("system", 0.0) + cpu.get("softirq", 0.0) + cpu.get("irq", 0.0)
+    total = sum(cpu.values())
+    floor = link.get("loopback_cpu_ms_per_mb")
+    floor_text = ""
+    if floor and sum(floor.values()) > 0:
+        floor_text = (f"; a plain TCP transfer between two processes over a loopback, the floor any TCP cluster pays, "
+                      f"{sum(floor.values()):.2f} ms per MB ({total / sum(floor.values()):.1f}x)")
     return [f"The emulated network's own CPU (the bulk transfer both ways at once, the whole machine from "
-            f"/proc/stat): {sum(cpu.values()):.2f} ms per MB delivered, {kernel:.2f} of it in the kernel (TCP, the "
-            f"nodes' and the switch's veth, bridge and tbf). It runs on the ranks' cores: a method that computes "
-            f"while it communicates pays it in its compute (docs/bench.md, \"The emulated network's CPU\")."]
+            f"/proc/stat): {total:.2f} ms per MB delivered, {kernel:.2f} of it in the kernel (TCP, the "
+            f"nodes' and the switch's veth, bridge and tbf){floor_text}. It runs on the ranks' cores: a method that "
+            f"computes while it communicates pays it in its compute (docs/bench.md, \"The emulated network's CPU\")."]
 
 
 def _schedule_note(args) -> str:

@@ -48,6 +48,10 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
     return out
 
 
+LOOPBACK_FLOOR_MB = 500
+"""MB each way of the loopback transfer whose CPU the report gives as the floor (about 0.3 s here)."""
+
+
 class Network:
     """The emulated network of one link rate, created on entry and removed on exit."""
 
@@ -79,9 +83,12 @@ class Network:
         env = child_env(threads)
         if self.cluster is not None:
             m = netns.measure_cluster(self.cluster, 1.0, env=env)
+            # The floor beside it: the same duplex transfer between two processes over a loopback.
+            floor = netns.measure_loopback(LOOPBACK_FLOOR_MB, env=env)
             return dict(topology="cluster", nodes=self.args.nodes, ranks_per_node=self.args.ranks_per_node,
                         nominal_bps=self.bps, measured_bps=m["one_way_bps"], duplex_bps=m["duplex_bps"],
-                        duplex_cpu_ms_per_mb=m.get("duplex_cpu_ms_per_mb"), qdisc=self.cluster.qdisc())
+                        duplex_cpu_ms_per_mb=m.get("duplex_cpu_ms_per_mb"),
+                        loopback_cpu_ms_per_mb=floor.get("machine_ms_per_mb"), qdisc=self.cluster.qdisc())
         if self.namespace is not None:
             return dict(topology="loopback", nominal_bps=self.bps, qdisc=self.namespace.qdisc(),
                         measured_bps=netns.measure_rate(self.namespace, 1.0, env=env))

@@ -35,6 +35,7 @@ prints the fits and, for the methods of a bench report, the table of predicted m
 command line and the markdown are :mod:`.report` (this package's ``__main__`` runs it).
 """
 import math
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -149,14 +150,18 @@ def fit_alpha_beta(points: Sequence[Tuple[float, float]], messages: int, *, rela
 
 
 def shaper_bucket_bytes(probe: dict) -> Optional[int]:
-    """The token bucket (bytes) of the tbf that shaped the probe's link, as
-    :func:`deepspeed_acco.bench.network.netns.tbf_args` sets it for the link's nominal rate; None when the probe
-    does not say what link it ran on."""
-    bps = (probe.get("link") or {}).get("nominal_bps")
+    """The token bucket (bytes) of the tbf that shaped the probe's link: as its qdisc recorded it
+    (``burst 256Kb``), else as :func:`deepspeed_acco.bench.network.netns.tbf_args` sets it for a cluster at
+    the link's nominal rate; None when the probe does not say what link it ran on."""
+    link = probe.get("link") or {}
+    recorded = re.search(r"burst (\d+)([KM]?)b\b", link.get("qdisc") or "")
+    if recorded:
+        return int(recorded.group(1)) * {"": 1, "K": 1024, "M": 1024 * 1024}[recorded.group(2)]
+    bps = link.get("nominal_bps")
     if not bps:
         return None
-    from ..netns import tbf_args
-    args = tbf_args(float(bps))
+    from ..netns import packet_size, tbf_args
+    args = tbf_args(float(bps), packet_size(float(bps)))
     return int(args[args.index("burst") + 1])
 
 
