@@ -836,9 +836,9 @@ def test_time_estimate_warns_naming_the_flags(capsys):
     check_args(args, resolve_methods(args.methods))
     est = _Estimate(args, resolve_methods(args.methods), [1e9], started=0.0)
     est.baseline = SimpleNamespace(job={"job_s": 120.0}, wall_s=100.0, updates=50, summaries={0: {"init_s": 5}})
-    est.report(now=200.0)  # 5 methods x 2 seeds = 10 jobs, 9 left of 120 s after 200 s: 21 min
+    est.report(now=200.0)  # 6 methods x 2 seeds = 12 jobs, 11 left of 120 s after 200 s: 25 min
     out = capsys.readouterr().out
-    assert "about 21 min" in out and "9 more job(s)" in out
+    assert "about 25 min" in out and "11 more job(s)" in out
     assert "WARNING" in out and "--updates" in out and "--methods" in out and "--max-updates" in out
     assert "--seeds" in out
     est = _Estimate(args, ["zero1"], [1e9], started=0.0)
