@@ -690,26 +690,68 @@ class _Worker:
 
     def __init__(self, name: str):
         self.queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self.stopped = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
+
+    def stop(self) -> None:
+        """Let the thread exit once the jobs already queued have run. Never blocks."""
+        if not self.stopped:
+            self.stopped = True
+            self.queue.put(None)
 
     def _loop(self) -> None:
         while True:
             item = self.queue.get()
             if item is None:
                 return
-            job, work = item
-            _running_job.records = work.collectives
-            try:
-                with torch.no_grad():
-                    result = job()
-                    if isinstance(result, DeviceReadback):
-                        result.start()
-                work._finish(result=result)
-            except BaseException as error:  # surfaced to the training thread by Work.wait()
-                work._finish(error=error)
-            finally:
-                _running_job.records = None
+            self._run(*item)
+            # Between jobs the thread holds none: the last one (a bound method of the schedule, say)
+            # would keep the schedule and its lane alive while the thread waits, so a lane dropped
+            # without close() would never be freed, nor its workers stopped.
+            del item
+
+    @staticmethod
+    def _run(job: Callable[[], Any], work: "Work") -> None:
+        _running_job.records = work.collectives
+        try:
+            with torch.no_grad():
+                result = job()
+                if isinstance(result, DeviceReadback):
+                    result.start()
+            work._finish(result=result)
+        except BaseException as error:  # surfaced to the training thread by Work.wait()
+            work._finish(error=error)
+        finally:
+            _running_job.records = None
+
+
+class LaneThreads:
+    """The CPU worker threads of one lane, by communicator.
+
+    Separate from the :class:`Lane` so that they can be stopped when the lane is dropped without
+    :meth:`Lane.close` (its engine freed without ``destroy()``) and waited for at interpreter exit:
+    a worker that is still inside a collective when the interpreter finalizes is ended by Python
+    as it takes the GIL back, from inside torch's C++ frames, which aborts the process
+    ("terminate called without an active exception").
+    """
+
+    def __init__(self):
+        self.workers: Dict[int, _Worker] = {}
+
+    def stop(self) -> None:
+        """Let every worker exit after the jobs already queued (never blocks)."""
+        for worker in list(self.workers.values()):
+            worker.stop()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` in all for the workers to exit; True if none is left running."""
+        deadline = time.perf_counter() + timeout_s
+        for worker in list(self.workers.values()):
+            remaining = deadline - time.perf_counter()
+            if remaining > 0:
+                worker.thread.join(remaining)
+        return not any(worker.thread.is_alive() for worker in list(self.workers.values()))
 
 
 class Lane:
@@ -729,7 +771,10 @@ class Lane:
         if shared_stream is None:
             shared_stream = self.inline and not nccl_orders_by_host()
         self.shared_stream = shared_stream
-        self._workers: Dict[int, _Worker] = {}
+        self.threads = LaneThreads()
+        # Dropped without close() (its engine freed without destroy()): the workers still finish
+        # the jobs every rank queued, then exit instead of waiting for jobs forever.
+        weakref.finalize(self, self.threads.stop).atexit = False
         self._streams: Dict[Any, torch.cuda.Stream] = {}
         self._in_flight: List[Work] = []
         self._closed = False
@@ -754,10 +799,10 @@ class Lane:
         return work
 
     def _worker_for(self, communicator: Communicator) -> _Worker:
-        worker = self._workers.get(id(communicator))
+        worker = self.threads.workers.get(id(communicator))
         if worker is None:
             worker = _Worker(name=f"acco-{communicator.name}-rank{self.rank}")
-            self._workers[id(communicator)] = worker
+            self.threads.workers[id(communicator)] = worker
         return worker
 
     def _stream_for(self, communicator: Communicator) -> torch.cuda.Stream:
@@ -808,13 +853,6 @@ class Lane:
         Returns True if every worker has exited. On CUDA nothing runs on the host, so the jobs in
         flight simply finish on the device (their handles keep their tensors alive).
         """
-        if not self._closed:
-            self._closed = True
-            for worker in self._workers.values():
-                worker.queue.put(None)
-        deadline = time.perf_counter() + join_timeout_s
-        for worker in self._workers.values():
-            remaining = deadline - time.perf_counter()
-            if remaining > 0:
-                worker.thread.join(remaining)
-        return not any(worker.thread.is_alive() for worker in self._workers.values())
+        self._closed = True
+        self.threads.stop()
+        return self.threads.join(join_timeout_s)
