@@ -53,12 +53,12 @@ class _Leftovers:
 
     Most scripts never call ``destroy()``, and the engine is usually a local of a function that has
     returned by the time the interpreter exits: reference counting has freed it, so the exit hook
-    cannot reach it. Its lane's worker threads live on, the last job possibly inside a collective,
-    and its process groups stay registered. A worker that returns from a collective while the
-    interpreter finalizes is ended by Python inside torch's C++ frames, which aborts the process
-    ("terminate called without an active exception", SIGABRT); a group destroyed under it
-    (``destroy_process_group()`` at exit) breaks its collective. This record keeps the lane's
-    threads and the engine's process groups, nothing else (no buffer, no reference to the engine).
+    cannot reach it. Freeing its lane lets the workers run the jobs already queued, then exit, but
+    waits for nothing, and the process groups stay registered. A worker that returns from a
+    collective while the interpreter finalizes is ended by Python inside torch's C++ frames, which
+    aborts the process ("terminate called without an active exception", SIGABRT). So this record
+    keeps the lane's threads and the engine's process groups, nothing else (no buffer, no reference
+    to the engine), for the exit hook.
     """
 
     def __init__(self, threads, groups: list, timeout_s: float):
