@@ -65,6 +65,9 @@ class _Leftovers:
         self.threads = threads
         self.groups = groups
         self.timeout_s = timeout_s
+        self.failed = False
+        """The engine's pipeline failed (a job raised, or a collective hung): nothing is waited for,
+        as ``destroy()`` then waits for nothing."""
 
     def release_groups(self) -> None:
         """Destroy the engine's process groups (its workers must have exited) and drop the references."""
@@ -79,9 +82,9 @@ class _Leftovers:
     def finish(self) -> None:
         """Let the workers run the jobs already queued (every rank queued the same ones), then release."""
         self.threads.stop()
-        if self.threads.join(self.timeout_s):
+        if self.threads.join(0.0 if self.failed else self.timeout_s):
             self.release_groups()
-        else:
+        elif not self.failed:
             logger.warning("deepspeed_acco: a communication job was still running %.0f s into interpreter exit "
                            "(communication_timeout_s); a peer is probably dead or stuck, and the process may "
                            "abort as it exits", self.timeout_s)
@@ -716,6 +719,7 @@ class AccoEngine(DeepSpeedEngine):
             return action()
         except CommunicationError as error:
             self._failure = error
+            self._leftovers.failed = True
             raise
 
     def _check_healthy(self) -> None:
