@@ -529,7 +529,8 @@ def _point_to_point(sends: List[tuple], receives: List[tuple], group, global_ran
     job in flight still completes after the script destroyed the process groups
     (``dist.destroy_process_group()`` at its end, before the engine's exit hook; gloo's shutdown
     leaves a group that is still referenced working). By global rank (torch < 2.6) its next
-    message would fail there, and its peers would wait for it until the timeout."""
+    message fails there, and its peers wait in their step until that rank's process exits or the
+    timeout."""
     if _P2P_BY_GROUP_RANK:
         handles = [dist.irecv(tensor, group=group, group_src=peer) for peer, tensor in receives]
         handles += [dist.isend(tensor, group=group, group_dst=peer) for peer, tensor in sends]
