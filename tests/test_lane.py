@@ -475,8 +475,19 @@ def test_point_to_point_posts_every_receive_before_any_send(monkeypatch):
         def wait(self):
             posted.append("wait")
 
-    monkeypatch.setattr(comm.dist, "irecv", lambda tensor, src, group: posted.append(("recv", src)) or Handle())
-    monkeypatch.setattr(comm.dist, "isend", lambda tensor, dst, group: posted.append(("send", dst)) or Handle())
+    def post(kind):
+        def call(tensor, src=None, dst=None, group=None, tag=0, group_src=None, group_dst=None):
+            by_group_rank = group_src if kind == "recv" else group_dst
+            posted.append((kind, by_group_rank if by_group_rank is not None else (src if kind == "recv" else dst)))
+            return Handle()
+        return call
+
+    monkeypatch.setattr(comm.dist, "irecv", post("recv"))
+    monkeypatch.setattr(comm.dist, "isend", post("send"))
     values = torch.zeros(4)
-    comm._point_to_point([(1, values), (2, values)], [(2, values), (1, values)], group=None)
-    assert posted == [("recv", 2), ("recv", 1), ("send", 1), ("send", 2), "wait", "wait", "wait", "wait"]
+    global_ranks = [4, 5, 6]  # the group's members
+    comm._point_to_point([(1, values), (2, values)], [(2, values), (1, values)], group=None, global_ranks=global_ranks)
+    # By rank in the group where torch can (no lookup in its registry of groups: docs/design.md, 6 "Exit").
+    peer = (lambda rank: rank) if comm._P2P_BY_GROUP_RANK else (lambda rank: global_ranks[rank])
+    assert posted == [("recv", peer(2)), ("recv", peer(1)), ("send", peer(1)), ("send", peer(2)),
+                      "wait", "wait", "wait", "wait"]

@@ -39,6 +39,7 @@ Each collective is labelled for the profiler (``acco::reduce_scatter`` ...).
 """
 import contextlib
 import datetime
+import inspect
 import logging
 import os
 import queue
@@ -411,15 +412,14 @@ class Communicator:
         from the left. After the last step it holds the full sum of its own chunk."""
         world_size, rank = self.world_size, self.rank
         chunks = input.view(world_size, -1)
-        right = self.global_ranks[(rank + 1) % world_size]
-        left = self.global_ranks[(rank - 1) % world_size]
+        right, left = (rank + 1) % world_size, (rank - 1) % world_size
         key = (chunks.shape[1], input.dtype, input.device)
         if key not in self._ring_buffers:
             self._ring_buffers[key] = (torch.empty_like(chunks[0]), torch.empty_like(chunks[0]))
         received, outgoing = self._ring_buffers[key]
         outgoing.copy_(chunks[(rank - 1) % world_size])
         for step in range(world_size - 1):
-            _point_to_point([(right, outgoing)], [(left, received)], self.group)
+            _point_to_point([(right, outgoing)], [(left, received)], self.group, self.global_ranks)
             own = chunks[(rank - step - 2) % world_size]
             torch.add(received, own, out=output if step == world_size - 2 else outgoing)
 
@@ -430,11 +430,10 @@ class Communicator:
         chunks = output.view(world_size, -1)
         if chunks[rank].data_ptr() != input.data_ptr():
             chunks[rank].copy_(input)
-        right = self.global_ranks[(rank + 1) % world_size]
-        left = self.global_ranks[(rank - 1) % world_size]
+        right, left = (rank + 1) % world_size, (rank - 1) % world_size
         for step in range(world_size - 1):
             _point_to_point([(right, chunks[(rank - step) % world_size])],
-                            [(left, chunks[(rank - step - 1) % world_size])], self.group)
+                            [(left, chunks[(rank - step - 1) % world_size])], self.group, self.global_ranks)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may alias this rank's chunk)."""
@@ -471,9 +470,9 @@ class Communicator:
         if outputs[self.rank].numel():
             outputs[self.rank].copy_(inputs[self.rank])
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
-        _point_to_point([(self.global_ranks[peer], inputs[peer]) for peer in peers if inputs[peer].numel()],
-                        [(self.global_ranks[peer], outputs[peer]) for peer in peers if outputs[peer].numel()],
-                        self.group)
+        _point_to_point([(peer, inputs[peer]) for peer in peers if inputs[peer].numel()],
+                        [(peer, outputs[peer]) for peer in peers if outputs[peer].numel()],
+                        self.group, self.global_ranks)
 
     def exchange(self, sends: List[tuple], receives: List[tuple]) -> None:
         """Point-to-point: post every ``(peer rank, tensor)`` send and receive, then wait for all.
@@ -485,8 +484,7 @@ class Communicator:
             return
 
         def run():
-            _point_to_point([(self.global_ranks[peer], t) for peer, t in sends],
-                            [(self.global_ranks[peer], t) for peer, t in receives], self.group)
+            _point_to_point(sends, receives, self.group, self.global_ranks)
         self._run("exchange", run, peers=self._peers([peer for peer, _ in sends + receives]))
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -513,16 +511,32 @@ class Communicator:
         tensor.copy_(total.view_as(tensor))
 
 
-def _point_to_point(sends: List[tuple], receives: List[tuple], group) -> None:
-    """Post every ``(global rank, tensor)`` receive, then every send, and wait for all of them.
+_P2P_BY_GROUP_RANK = "group_dst" in inspect.signature(dist.isend).parameters
+"""Whether torch addresses a point-to-point message by the peer's rank in the group (torch >= 2.6)."""
+
+
+def _point_to_point(sends: List[tuple], receives: List[tuple], group, global_ranks: List[int]) -> None:
+    """Post every ``(peer, tensor)`` receive, then every send, and wait for all of them; a peer is its
+    rank in ``group``, whose members are ``global_ranks``.
 
     The receives go first because gloo's TCP pair sends a large message only once the peer has
     announced the matching receive: when both sides post their send first, each announcement queues
     behind the data already flowing the other way, and on a rate-limited link an exchange took up to
     twice its time (6.6 MB each way at 398 Mbit/s: 224-261 ms, against 133 ms, the link's own time,
-    with the receive first; docs/design.md, "The communication job")."""
-    handles = [dist.irecv(tensor, src=peer, group=group) for peer, tensor in receives]
-    handles += [dist.isend(tensor, dst=peer, group=group) for peer, tensor in sends]
+    with the receive first; docs/design.md, "The communication job").
+
+    Addressed by group rank, a message needs no lookup in torch's registry of process groups, so a
+    job in flight still completes after the script destroyed the process groups
+    (``dist.destroy_process_group()`` at its end, before the engine's exit hook; gloo's shutdown
+    leaves a group that is still referenced working). By global rank (torch < 2.6) its next
+    message fails there, and its peers wait in their step until that rank's process exits or the
+    timeout."""
+    if _P2P_BY_GROUP_RANK:
+        handles = [dist.irecv(tensor, group=group, group_src=peer) for peer, tensor in receives]
+        handles += [dist.isend(tensor, group=group, group_dst=peer) for peer, tensor in sends]
+    else:
+        handles = [dist.irecv(tensor, src=global_ranks[peer], group=group) for peer, tensor in receives]
+        handles += [dist.isend(tensor, dst=global_ranks[peer], group=group) for peer, tensor in sends]
     for handle in handles:
         handle.wait()
 
@@ -722,26 +736,68 @@ class _Worker:
 
     def __init__(self, name: str):
         self.queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self.stopped = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
+
+    def stop(self) -> None:
+        """Let the thread exit once the jobs already queued have run. Never blocks."""
+        if not self.stopped:
+            self.stopped = True
+            self.queue.put(None)
 
     def _loop(self) -> None:
         while True:
             item = self.queue.get()
             if item is None:
                 return
-            job, work = item
-            _running_job.records = work.collectives
-            try:
-                with torch.no_grad():
-                    result = job()
-                    if isinstance(result, DeviceReadback):
-                        result.start()
-                work._finish(result=result)
-            except BaseException as error:  # surfaced to the training thread by Work.wait()
-                work._finish(error=error)
-            finally:
-                _running_job.records = None
+            self._run(*item)
+            # Between jobs the thread holds none: the last one (a bound method of the schedule, say)
+            # would keep the schedule and its lane alive while the thread waits, so a lane dropped
+            # without close() would never be freed, nor its workers stopped.
+            del item
+
+    @staticmethod
+    def _run(job: Callable[[], Any], work: "Work") -> None:
+        _running_job.records = work.collectives
+        try:
+            with torch.no_grad():
+                result = job()
+                if isinstance(result, DeviceReadback):
+                    result.start()
+            work._finish(result=result)
+        except BaseException as error:  # surfaced to the training thread by Work.wait()
+            work._finish(error=error)
+        finally:
+            _running_job.records = None
+
+
+class LaneThreads:
+    """The CPU worker threads of one lane, by communicator.
+
+    Separate from the :class:`Lane` so that they can be stopped when the lane is dropped without
+    :meth:`Lane.close` (its engine freed without ``destroy()``) and waited for at interpreter exit:
+    a worker that is still inside a collective when the interpreter finalizes is ended by Python
+    as it takes the GIL back, from inside torch's C++ frames, which aborts the process
+    ("terminate called without an active exception").
+    """
+
+    def __init__(self):
+        self.workers: Dict[int, _Worker] = {}
+
+    def stop(self) -> None:
+        """Let every worker exit after the jobs already queued (never blocks)."""
+        for worker in list(self.workers.values()):
+            worker.stop()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` in all for the workers to exit; True if none is left running."""
+        deadline = time.perf_counter() + timeout_s
+        for worker in list(self.workers.values()):
+            remaining = deadline - time.perf_counter()
+            if remaining > 0:
+                worker.thread.join(remaining)
+        return not any(worker.thread.is_alive() for worker in list(self.workers.values()))
 
 
 class Lane:
@@ -761,7 +817,11 @@ class Lane:
         if shared_stream is None:
             shared_stream = self.inline and not nccl_orders_by_host()
         self.shared_stream = shared_stream
-        self._workers: Dict[int, _Worker] = {}
+        self.threads = LaneThreads()
+        # Dropped without close() (its engine freed without destroy()): the workers still run the
+        # jobs every rank queued, then exit; the exit hook waits for them (runtime/engine.py).
+        # Never blocks: a finalizer may run at any garbage collection, on any thread.
+        weakref.finalize(self, self.threads.stop).atexit = False
         self._streams: Dict[Any, torch.cuda.Stream] = {}
         self._in_flight: List[Work] = []
         self._closed = False
@@ -786,10 +846,10 @@ class Lane:
         return work
 
     def _worker_for(self, communicator: Communicator) -> _Worker:
-        worker = self._workers.get(id(communicator))
+        worker = self.threads.workers.get(id(communicator))
         if worker is None:
             worker = _Worker(name=f"acco-{communicator.name}-rank{self.rank}")
-            self._workers[id(communicator)] = worker
+            self.threads.workers[id(communicator)] = worker
         return worker
 
     def _stream_for(self, communicator: Communicator) -> torch.cuda.Stream:
@@ -840,13 +900,6 @@ class Lane:
         Returns True if every worker has exited. On CUDA nothing runs on the host, so the jobs in
         flight simply finish on the device (their handles keep their tensors alive).
         """
-        if not self._closed:
-            self._closed = True
-            for worker in self._workers.values():
-                worker.queue.put(None)
-        deadline = time.perf_counter() + join_timeout_s
-        for worker in self._workers.values():
-            remaining = deadline - time.perf_counter()
-            if remaining > 0:
-                worker.thread.join(remaining)
-        return not any(worker.thread.is_alive() for worker in self._workers.values())
+        self._closed = True
+        self.threads.stop()
+        return self.threads.join(join_timeout_s)

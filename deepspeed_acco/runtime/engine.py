@@ -43,18 +43,72 @@ logger = logging.getLogger("DeepSpeed").getChild("acco")
 
 _RECENT_COMMITS = 1024
 _LIVE_ENGINES: "weakref.WeakSet[AccoEngine]" = weakref.WeakSet()
+_NOT_DESTROYED: "set[_Leftovers]" = set()
+"""What each engine that was not destroyed leaves for the exit hook, whether it is still alive or not."""
 _EXIT_HOOK_REGISTERED = False
 
 
+class _Leftovers:
+    """What an engine must stop and release before the interpreter finalizes, held without the engine.
+
+    Most scripts never call ``destroy()``, and the engine is usually a local of a function that has
+    returned by the time the interpreter exits: reference counting has freed it, so the exit hook
+    cannot reach it. Freeing its lane lets the workers run the jobs already queued, then exit, but
+    waits for nothing, and the process groups stay registered. A worker that returns from a
+    collective while the interpreter finalizes is ended by Python inside torch's C++ frames, which
+    aborts the process ("terminate called without an active exception", SIGABRT). So this record
+    keeps the lane's threads and the engine's process groups, nothing else (no buffer, no reference
+    to the engine), for the exit hook.
+    """
+
+    def __init__(self, threads, groups: list, timeout_s: float):
+        self.threads = threads
+        self.groups = groups
+        self.timeout_s = timeout_s
+        self.failed = False
+        """The engine's pipeline failed (a job raised, or a collective hung): nothing is waited for,
+        as ``destroy()`` then waits for nothing."""
+
+    def release_groups(self) -> None:
+        """Destroy the engine's process groups (its workers must have exited) and drop the references."""
+        groups, self.groups = self.groups, []
+        for group in groups:
+            if dist.is_initialized():  # else destroy_process_group() of the default group destroyed them all
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:  # destroyed already (the group is no longer registered)
+                    pass
+
+    def finish(self) -> None:
+        """Let the workers run the jobs already queued (every rank queued the same ones), then release."""
+        self.threads.stop()
+        if self.threads.join(0.0 if self.failed else self.timeout_s):
+            self.release_groups()
+        elif not self.failed:
+            logger.warning("deepspeed_acco: a communication job was still running %.0f s into interpreter exit "
+                           "(communication_timeout_s); a peer is probably dead or stuck, and the process may "
+                           "abort as it exits", self.timeout_s)
+
+
 def _destroy_live_engines() -> None:
-    """At interpreter exit, finish the jobs still in flight: a job torn down inside a collective aborts gloo."""
+    """At interpreter exit (before ``destroy_process_group()`` of the default group, whose hook is
+    registered first): destroy the engines still alive, then finish and release what the engines freed
+    without ``destroy()`` left running; docs/design.md, 6 "Exit"."""
     for engine in list(_LIVE_ENGINES):
         engine.destroy()
+    for leftovers in list(_NOT_DESTROYED):
+        leftovers.finish()
+    _NOT_DESTROYED.clear()
 
 
 def _track(engine: "AccoEngine") -> None:
     global _EXIT_HOOK_REGISTERED
     _LIVE_ENGINES.add(engine)
+    groups = {id(c.group): c.group for c in engine._communicators if c is not None and c.group is not None}
+    if engine.control.group is not None:
+        groups[id(engine.control.group)] = engine.control.group
+    engine._leftovers = _Leftovers(engine.lane.threads, list(groups.values()), engine.lane.timeout_s)
+    _NOT_DESTROYED.add(engine._leftovers)
     if not _EXIT_HOOK_REGISTERED:
         atexit.register(_destroy_live_engines)
         _EXIT_HOOK_REGISTERED = True
@@ -548,16 +602,13 @@ class AccoEngine(DeepSpeedEngine):
             # destroy_process_group only unregisters a group: its gloo threads live until the last
             # reference goes, so the communicators and the control plane drop theirs here too
             # (otherwise the threads outlive interpreter exit, where finishing the last job aborts).
-            groups = {id(c.group): c.group for c in self._communicators if c is not None and c.group is not None}
-            if self.control.group is not None:
-                groups[id(self.control.group)] = self.control.group
-            for group in groups.values():
-                dist.destroy_process_group(group)
+            self._leftovers.release_groups()
             for communicator in self._communicators:
                 if communicator is not None:
                     communicator.release()
             self.control.release()
             self._communicators = []
+        _NOT_DESTROYED.discard(self._leftovers)
         _LIVE_ENGINES.discard(self)
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -687,6 +738,7 @@ class AccoEngine(DeepSpeedEngine):
             return action()
         except CommunicationError as error:
             self._failure = error
+            self._leftovers.failed = True
             raise
 
     def _check_healthy(self) -> None:
