@@ -444,7 +444,7 @@ def _fails(text: str, *words: str) -> None:
 def test_a_renamed_flag_or_a_refused_combination_fails():
     _fails("python -m deepspeed_acco.bench --bandwith 300mbit", "unrecognized arguments: --bandwith")
     _fails("python -m deepspeed_acco.bench --fault link-down@2 --model tiny --updates 6",
-           "--fault: zero1 run without")
+           "--fault: zero1, zero1best run without")
     _fails("python -m deepspeed_acco.bench --grad-accum 3 --methods zero1,acco", "--grad-accum")
     _fails("python -m deepspeed_acco.zero_to_fp32 DIR out.pt --tg T", "no such option ['--tg']")
     _fails("python benchmarks/kernel_bench.py --sizez 4M", "unrecognized arguments: --sizez")

@@ -39,8 +39,10 @@ def test_bounds_per_method_from_the_link_time_per_update():
     # ACCO's 30 ms per update are two rounds of 15: max(T_compute, 2 T_comm)
     assert overlap.bound_ms("acco", floor, link, tau) == pytest.approx(40.0)
     assert overlap.bound_ms("acco", floor, 60.0, tau) == pytest.approx(60.0)
-    # CO2: a round every 4 updates, 4 x 30 = 120 ms, to fit under H = 1 inner step (its eager default)
-    assert overlap.bound_ms("co2", floor, link, tau) == pytest.approx(120.0)
+    # CO2: a round every 4 updates, 4 x 30 = 120 ms; H = 1 inner step (its eager default) hides 40 of it,
+    # and the other 80 are paid once per round of 4 updates: T_compute + max(0, T_round - H T_compute) / tau
+    assert overlap.bound_ms("co2", floor, link, tau) == pytest.approx(60.0)
+    assert overlap.bound_ms("co2", floor, 5.0, tau) == pytest.approx(40.0)  # a 20 ms round fits under one step
 
 
 def test_hidden_and_communicating_shares():
