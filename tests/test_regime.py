@@ -159,3 +159,29 @@ def test_bytes_per_update_follow_what_the_jobs_send():
     assert update_wire_bytes("CO2", "fp32", values, world) == pytest.approx(fp32_job / 4)
     assert update_wire_bytes("ShardedAdamW", "fp32", values, world, model_dtype="fp32") == pytest.approx(fp32_job)
     assert update_wire_bytes("ACCO", "bf16", values, world) == pytest.approx(fp32_job)  # two jobs of half the bytes
+
+
+def test_the_readmes_box_is_the_engines_count():
+    """README.md's "What each type sends" table: every row's bytes per parameter and its seconds for 1B
+    parameters at 25 Gbit/s follow from update_wire_bytes (our types, which test_bytes_per_update_follow_
+    what_the_jobs_send ties to the collectives) and from DeepSpeed's passes (docs/bench.md)."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and re.fullmatch(r"\d+\.\d\d", cells[2]) and cells[3].endswith(" s"):
+            rows[cells[0].replace("`", "")] = (float(cells[2]), float(cells[3][:-2]))
+    values, world = 1 << 24, 8
+    share = (world - 1) / world
+    expected = {"DeepSpeed ZeRO-1, defaults": 3 * 2 * share,
+                "DeepSpeed ZeRO-1, best stage-1 settings (gloo)": ((world + 1) / world + 1) * 2 * share}
+    for name, wire in (("ShardedAdamW", "bf16"), ("DPU", "bf16"), ("ACCO, bf16", "bf16"), ("ACCO, int8", "int8"),
+                       ("ACCO, int4", "int4"), ("CO2, fp32 averaging", "fp32"), ("CO2, int8", "int8"),
+                       ("CO2, int4", "int4")):
+        expected[name] = update_wire_bytes(name.split(",")[0], wire, values, world) / values
+    assert set(rows) == set(expected), sorted(rows)
+    for name, per_param in expected.items():
+        assert rows[name][0] == pytest.approx(per_param, abs=0.005), name
+        assert rows[name][1] == pytest.approx(per_param * 1e9 * 8 / 25e9, abs=0.0051), name  # 0.595 prints 0.60
