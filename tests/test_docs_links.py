@@ -18,6 +18,11 @@ ISSUE_NUMBER = re.compile(r"\bissues? ?#?[0-9]|the issue's", re.IGNORECASE)
 NO_ISSUE_NUMBERS_IN = ("README.md", "docs/", "benchmarks/", "examples/", "deepspeed_acco/", "tests/")
 # This test's own file spells the pattern out to check it.
 NO_ISSUE_NUMBERS_EXCEPT = ("tests/test_docs_links.py", )
+# Words about how the work was done rather than about the project: a page tells a user what to run
+# ("on a machine with a GPU, run bash benchmarks/gpu_check.sh"), not which machine was borrowed.
+WORKPLACE_WORDS = ("lent", "device tool", "device time", "session", "sessions", "borrowed", "issue #")
+WORKPLACE_WORD = re.compile("|".join(r"(?<!\w)" + re.escape(w) + (r"(?!\w)" if w[-1].isalnum() else "")
+                                     for w in WORKPLACE_WORDS), re.IGNORECASE)
 
 
 def markdown_files():
@@ -146,3 +151,25 @@ def test_issue_pattern_matches_what_it_must():
     assert ISSUE_NUMBER.search("see issue #3")
     assert ISSUE_NUMBER.search("the issue's target")
     assert not ISSUE_NUMBER.search("the job issues collectives in program order")
+
+
+def user_pages():
+    """Every page a user reads: README.md, docs/ (report folders included) and benchmarks/*.md."""
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md")) + sorted((ROOT / "benchmarks").glob("*.md"))
+
+
+def test_pages_speak_only_of_the_project():
+    hits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in user_pages()
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if WORKPLACE_WORD.search(line)]
+    assert not hits, ("say what a user runs and where (\"on a machine with a GPU\"), not how the work was "
+                      "done:\n" + "\n".join(hits))
+
+
+def test_workplace_words_match_what_they_must():
+    for text in ("when a GPU is lent", "through the Device Tool", "15 minutes of device time",
+                 "to fit the session", "other sessions' tests", "a borrowed H200", "see issue #4"):
+        assert WORKPLACE_WORD.search(text), text
+    for text in ("the job issues collectives", "relentless", "the excellent result", "a GPU's time",
+                 "possession", "lentil"):
+        assert not WORKPLACE_WORD.search(text), text
