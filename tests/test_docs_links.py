@@ -10,6 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 README_MAX_LINES = 300
+# The two long pages, held where they are now so that they only shrink: design.md is architecture,
+# math, interfaces and failure behaviour (usage in docs/usage.md, the test inventory in
+# tests/README.md); results.md holds the current figures (history in docs/results/archive/).
+# Targets: 800 and 350 lines.
+PAGE_MAX_LINES = {"docs/design.md": 1536, "docs/results.md": 456}
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
@@ -100,6 +105,14 @@ def test_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES, (
         f"README.md has {len(lines)} lines; keep it at most {README_MAX_LINES} and move details to docs/")
+
+
+@pytest.mark.parametrize("page", sorted(PAGE_MAX_LINES))
+def test_long_pages_do_not_grow(page):
+    lines = (ROOT / page).read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= PAGE_MAX_LINES[page], (
+        f"{page} has {len(lines)} lines; keep it at most {PAGE_MAX_LINES[page]}: move usage to docs/usage.md, "
+        "history to docs/results/archive/, test descriptions to tests/README.md")
 
 
 def indexed_folders():
