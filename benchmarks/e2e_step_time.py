@@ -16,7 +16,7 @@ grows with it (doubling the micro-batch costs at least ``COMPUTE_BOUND_GROWTH`` 
 then doubled once more for margin, since the engines have more host work per micro-batch than the
 floor; or given (``--micro-batch N``). Every method runs in this process, one after the other, with
 memory checked back at its baseline: our engines after ``destroy()`` and ``del`` with the garbage
-collector off (docs/design.md, 9; a failure is the script's exit status 1), the others after a
+collector off (docs/design.md, 2, "Engine surface"; a failure is the script's exit status 1), the others after a
 collection. Each reports ms/update (the median of ``--repeats`` timed runs of ``--updates`` updates
 between two device synchronisations, after ``--warmup`` updates), tokens/s, model FLOPs utilisation
 against the device's bf16 peak (6 N + 12 L T d FLOPs per token, PaLM's count, N without the position

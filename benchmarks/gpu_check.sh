@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run for a lent GPU machine (one H200 in this project, about 15 minutes
-# of device time per task, its start included), its steps in order of value, each under its own
-# time cap. What a step produces is in the output folder as soon as the step ends, and summary.txt
+# The GPU check: one prepared run on a machine with a GPU (sized for one H200: 480 s in all), its
+# steps in order of value, each under its own time cap. What a step produces is in the output folder as soon as the step ends, and summary.txt
 # is rewritten before and after every step, so a run killed at any point still returns everything
 # before it. `--plan` prints the steps, their caps and the basis of each estimate.
 #
@@ -9,13 +8,12 @@
 #   bash benchmarks/gpu_check.sh             # the check, with CUDA torch
 #   SIZES=128M bash benchmarks/gpu_check.sh  # the kernel benchmark at one size
 #
-# Through the device tool: run `bash benchmarks/gpu_wheels.sh` here first (deepspeed and its
-# dependencies as wheels, into .whl/), then
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# On a GPU machine without a package index: run `bash benchmarks/gpu_wheels.sh` where pip reaches
+# one first (deepspeed and its dependencies as wheels, into .whl/) and copy .whl/ into the checkout
+# on the GPU machine.
 #
-# Output folder: $OUT (the device tool's, which comes back) or build/gpu_check/<date-time>. At most
-# five files, none in a subfolder (the device tool returns at most 8, two folders deep), described
-# in docs/gpu_check.md ("Output"):
+# Output folder: $OUT when set, else build/gpu_check/<date-time>. At most five files, none in a
+# subfolder, described in docs/gpu_check.md ("Output"):
 #   summary.txt      one line per step (PASS / FAIL / NOT RUN / RUNNING), rewritten at every step
 #   steps.log        every step's output, appended while it runs
 #   environment.txt  GPU, driver, nvcc, python, torch (CUDA, NCCL), deepspeed, TORCH_CUDA_ARCH_LIST
@@ -26,11 +24,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
 # The plan, in order of value: name|cap in seconds|basis of the estimate. The caps sum to 480 s,
-# which leaves a device call of 540 s a minute for the transfers, and the 15 minutes of device time
-# room for the machine's start. The bases: the first run on an H200 (2026-12-04, docs/gpu_check.md:
+# so the whole check fits in 8 minutes. The bases: the first run on an H200 (2026-12-04, docs/gpu_check.md:
 # install 7 s, environment 11 s, build 41 s, the whole check 273 s) and estimates where a step changed.
 PLAN=(
-    "install|20|pip installs the 6 carried wheels (.whl/, benchmarks/gpu_wheels.sh, 4.8 MB) from local files, no index and no compile: 7 s on the H200 on 2026-12-04; skipped if deepspeed imports"
+    "install|20|pip installs the 6 wheels copied in (.whl/, benchmarks/gpu_wheels.sh, 4.8 MB) from local files, no index and no compile: 7 s on the H200 on 2026-12-04; skipped if deepspeed imports"
     "environment|20|nvidia-smi, nvcc --version, and one python that imports torch, deepspeed and deepspeed_acco: 11 s on 2026-12-04"
     "build|100|our CUDA op (under the image's TORCH_CUDA_ARCH_LIST) and CPU op: 41 s on 2026-12-04; DeepSpeed's FusedAdam for the e2e step at the same time (one .cu file and its frontend, not yet timed: about the size of one of ours)"
     "kernel_tests|45|197 CUDA kernel and lane tests (tests/test_ops_kernels.py, test_quantize_kernels.py, test_lane.py, 'cuda' selection, no compile): sizes up to 1M, under a millisecond each on the GPU; pytest start and CUDA context 10-15 s"
@@ -70,7 +67,7 @@ key_results() {  # the e2e step's table and its targets, under the summary
     sed -n '/^### targets/,/targets met/p' "$OUT/steps.log"
 }
 
-# 1. install: deepspeed and its pydantic/hjson are not in the GPU image; the carried wheels are
+# 1. install: deepspeed and its pydantic/hjson are not in the GPU image; the wheels copied in (.whl/) are
 # (install_wheels, benchmarks/gpu_steps.sh).
 export PYTHONPATH="$PYTHONPATH:/tmp/acco_site"
 export -f install_wheels

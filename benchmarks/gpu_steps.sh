@@ -106,7 +106,7 @@ finish() {  # record the steps not run, write the summary with the key results, 
     exit 0
 }
 
-# install_wheels: deepspeed and its pydantic/hjson are not in the GPU image; the carried wheels
+# install_wheels: deepspeed and its pydantic/hjson are not in the GPU image; the wheels copied in
 # (benchmarks/gpu_wheels.sh, .whl/) are. Nothing to do where deepspeed imports.
 install_wheels() {
     if "$PY" -c "import deepspeed" >/dev/null 2>&1; then
@@ -114,7 +114,7 @@ install_wheels() {
         return 0
     fi
     if ! compgen -G ".whl/*.whl" >/dev/null; then
-        echo "deepspeed is missing and no wheels were carried: run benchmarks/gpu_wheels.sh here and carry .whl" >&2
+        echo "deepspeed is missing and no wheels in .whl/: run benchmarks/gpu_wheels.sh where pip reaches an index and copy .whl/ here" >&2
         return 1
     fi
     echo "installing $(ls .whl | tr '\n' ' ')"

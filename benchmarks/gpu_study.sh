@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU study: one prepared run for a lent GPU machine (one H200), in order of value (docs/gpu_study.md):
+# The GPU study: one prepared run on a machine with a GPU (sized for one H200), in order of value (docs/gpu_study.md):
 #   (a) overlap: the 125M model against an emulated slow link (deepspeed_acco/bench/network/linkemu.py) at
 #       three rates, DeepSpeed ZeRO-1, ShardedAdamW, DPU, ACCO and CO2 against their bounds;
 #   (b) convergence: ShardedAdamW against ACCO (and CO2 if time allows) at 125M over 1,000 or more
@@ -14,12 +14,12 @@
 #   bash benchmarks/gpu_study.sh --dry-run    # the same steps on the CPU, tiny model
 #   MICRO_BATCH=32 bash benchmarks/gpu_study.sh   # another micro-batch for both studies (default 16)
 #
-# Through the device tool: run `bash benchmarks/gpu_wheels.sh` here first (deepspeed and its
-# dependencies as wheels, into .whl/), then
-#   run(command="bash benchmarks/gpu_study.sh", carry=[".whl"], timeout_s=540)
+# On a GPU machine without a package index: run `bash benchmarks/gpu_wheels.sh` where pip reaches
+# one first (deepspeed and its dependencies as wheels, into .whl/) and copy .whl/ into the checkout
+# on the GPU machine.
 #
-# Output folder: $OUT (the device tool's, which comes back) or build/gpu_study/<date-time>. At most
-# six files, none in a subfolder (the device tool returns at most 8, two folders deep):
+# Output folder: $OUT when set, else build/gpu_study/<date-time>. At most six files, none in a
+# subfolder:
 #   summary.txt         one line per step (PASS / FAIL / NOT RUN / RUNNING), then the key tables
 #   steps.log           every step's output, appended while it runs
 #   environment.txt     GPU, driver, nvcc, python, torch (CUDA, NCCL), deepspeed, our modules
@@ -31,12 +31,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
 # The plan, in order of value: name|cap in seconds|basis of the estimate. The caps sum to 480 s,
-# which leaves a device call of 540 s a minute for the transfers, and the 15 minutes of device time
-# room for the machine's start. Nothing of this has run on a GPU yet: the bases are gpu_check.sh's
+# so the whole study fits in 8 minutes. Nothing of this has run on a GPU yet: the bases are gpu_check.sh's
 # estimates, measurements on this project's CPU machines, and arithmetic on the H200's speed, with a
 # margin.
 PLAN=(
-    "install|25|pip installs the 6 carried wheels (.whl/, benchmarks/gpu_wheels.sh) from local files, no index and no compile, as gpu_check.sh does; skipped if deepspeed imports"
+    "install|25|pip installs the 6 wheels copied in (.whl/, benchmarks/gpu_wheels.sh) from local files, no index and no compile, as gpu_check.sh does; skipped if deepspeed imports"
     "environment|20|nvidia-smi, nvcc --version, and one python that imports torch, deepspeed and deepspeed_acco: about 10 s"
     "build|90|our CUDA op only, for the device's architecture (JIT, TORCH_CUDA_ARCH_LIST): its two .cu files compile for sm_90 in 5-6 s each and its two C++ frontends in 30-60 s each on 2 busy cores here, in parallel on the 16 cores there; if it fails, the studies run on the torch reference kernels and say so"
     "overlap|150|imports and CUDA start 15-20 s; the spin's calibration 2 s; the floor and 5 engines of 87M parameters (build 3-6 s each), each timed without a link and at 3 links: 4 x (3 + 3 x 12) updates of 20-50 ms; 2 traced ACCO updates: about 90 s"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels that the lent GPU machine lacks, for benchmarks/gpu_check.sh. Its image (python 3.12,
+# Wheels that a GPU machine without a package index lacks, for benchmarks/gpu_check.sh. Its image (python 3.12,
 # torch with CUDA, transformers, pytest, ninja, numpy, psutil, py-cpuinfo, msgpack, einops) has no
 # deepspeed and none of deepspeed's pydantic and hjson, and nothing can be installed there from a
 # registry. Run this here, where pip reaches an index; it fills .whl/ (git-ignored) with:
@@ -8,11 +8,11 @@
 #              op builders JIT-compile on the GPU machine), at the version this project is tested with
 #   pydantic, pydantic-core, annotated-types, typing-inspection, hjson   for CPython 3.12 x86-64
 #
-# then carry .whl with the device run:  run(command="bash benchmarks/gpu_check.sh", carry=[".whl"])
+# then copy .whl/ into the checkout on the GPU machine and run bash benchmarks/gpu_check.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-DEST=.whl  # ignored by .gitignore; the device tool carries it when asked to
+DEST=.whl  # ignored by .gitignore; copy it to the GPU machine with the checkout
 mkdir -p "$DEST"
 
 version_of() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }

@@ -1,4 +1,4 @@
-"""One pass over the config (docs/design.md, 10; docs/usage.md, "Config mistakes"): the parser checks the
+"""One pass over the config (docs/design.md, 2, "One pass"; docs/usage.md, "Config mistakes"): the parser checks the
 whole config, the ``scheduler`` section included, before torch.distributed is initialised, and reports
 every problem in one ``ValueError``, one line each with its key path and fix; a config with one problem
 gets that problem's own message. Also: ``fp16.auto_cast``, the start-up line naming the keys accepted

@@ -1,4 +1,4 @@
-"""What an engine keeps and for how long (docs/design.md, 9): ``destroy()`` and ``del`` free it without
+"""What an engine keeps and for how long (docs/design.md, 2, "Engine surface"): ``destroy()`` and ``del`` free it without
 the garbage collector, and no per-micro-batch record grows between progress reports.
 
 Several engines in one process (a hyper-parameter search, tests, a notebook) must not need

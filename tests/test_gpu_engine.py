@@ -12,7 +12,7 @@ Skipped without CUDA (benchmarks/gpu_check.sh runs them there). What they check:
   must not synchronise at all; boundary steps neither, since jobs keep their statistics on the
   device and the boundary's wait polls the job's event.
 * ``destroy()`` and ``del`` return CUDA memory to its level before the engine, with the garbage
-  collector off (docs/design.md, 9): on the first GPU run each engine kept 2120 to 4402 MiB until
+  collector off (docs/design.md, 2, "Engine surface"): on the first GPU run each engine kept 2120 to 4402 MiB until
   ``gc.collect()``.
 * A collective of the user's own (an all-reduce of the loss on the default group, from the
   training thread) between steps neither deadlocks nor changes the results.

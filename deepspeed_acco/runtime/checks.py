@@ -6,7 +6,7 @@ The lowest module of the runtime: it imports only the standard library, so the c
 (:mod:`.config`), the params of every optimizer type (:mod:`.optimizers.params`) and the types
 themselves use the same checks without importing each other.
 
-One pass over the config (docs/design.md, 10): the parser runs every check inside
+One pass over the config (docs/design.md, 2, "One pass"): the parser runs every check inside
 :func:`collecting`; a check that finds a problem either raises (the rest of that check is skipped)
 or calls :func:`report` (the check goes on), and :func:`attempt` lets the parser go on with the next
 check after one that raised. At the end, one ``ValueError`` names every problem, one line each with

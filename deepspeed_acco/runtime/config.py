@@ -7,7 +7,7 @@ would change what a DeepSpeed user expects is either implemented here or rejecte
 an unknown key gets a warning naming the closest known one; keys DeepSpeed reads that do nothing for
 our types are named in one start-up line (:func:`no_effect_note`). Everything is checked before any
 collective runs, the ``scheduler`` section included, and every problem of a config is reported in
-one ``ValueError``, one line each (docs/design.md, 10; :mod:`.checks`).
+one ``ValueError``, one line each (docs/design.md, 2, "One pass"; :mod:`.checks`).
 """
 import copy
 import dataclasses
@@ -390,7 +390,7 @@ def no_effect_keys(config: Dict[str, Any], kind: str, *, client_scheduler: bool 
 
 
 def no_effect_note(config: "EngineConfig") -> str:
-    """The start-up log line naming the keys accepted without effect (docs/design.md, 10); "" when none."""
+    """The start-up log line naming the keys accepted without effect (docs/design.md, 2, "Rejected by principle"); "" when none."""
     if not config.no_effect:
         return ""
     return (f"{config.optimizer_type}: keys accepted without effect: " + "; ".join(config.no_effect))

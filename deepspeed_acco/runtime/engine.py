@@ -813,7 +813,7 @@ def _weak_method(method):
     """``method`` as a callback that does not keep its object alive.
 
     The schedule belongs to the engine; a bound method in it would make a cycle that only the garbage
-    collector frees, holding every buffer of the engine until it runs (docs/design.md, 9).
+    collector frees, holding every buffer of the engine until it runs (docs/design.md, 2, "Engine surface").
     """
     reference = weakref.WeakMethod(method)
 

@@ -1,4 +1,4 @@
-"""The ``scheduler`` section of the DeepSpeed config, checked by the parser (docs/design.md, 10).
+"""The ``scheduler`` section of the DeepSpeed config, checked by the parser (docs/design.md, 2, "Config").
 
 The engine builds the LR scheduler after the model broadcast and the communicators
 (:mod:`.builder`); a mistake found only there would surface after collectives have run, as the

@@ -9,7 +9,7 @@ scheduler step per committed update):
 3. it knows neither (no scheduler, one whose shape says nothing, or a warm-up of at most
    DeepSpeed's floor of 2 updates): N = 0.
 
-Evidence (docs/studies/acco_convergence.md, "What the gap is made of" and "Against the 1% target"):
+Evidence (docs/studies/acco_convergence.md, "What the gap is made of" and "Within 1% of ZeRO-1?"):
 a synchronous sixth kept ACCO within 1% of ZeRO-1 at 300 and 720 updates (120 of 720, four
 seeds) and at 240 updates (40 of 240, one seed); without it ACCO ended +6.5% at 720. A third
 (240 of 720, four seeds) and two thirds (480, one seed) ended no closer to ZeRO-1 than a sixth,

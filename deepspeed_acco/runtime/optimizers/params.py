@@ -70,7 +70,7 @@ def parse_params(cls, raw: Dict[str, Any], type_name: str, prefix: str = "optimi
     known = {item.name: item for item in fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {}
-    with collecting():  # every key's problem at once (docs/design.md, 10)
+    with collecting():  # every key's problem at once (docs/design.md, 2, "One pass")
         for key in sorted(set(raw) - set(known)):
             report(config_error(f"{prefix}.{key}", f"unknown parameter for optimizer type {type_name!r}",
                                 f"remove it; {type_name} accepts {sorted(known)}"))
