@@ -165,7 +165,7 @@ def test_a_killed_run_keeps_every_finished_step(tmp_path):
             assert process.poll() is None, "the study ended early"
             time.sleep(0.2)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)  # as the device tool kills a command past its limit
+        os.killpg(process.pid, signal.SIGKILL)  # as a job scheduler kills a command past its time limit
         process.wait()
         _kill_processes_mentioning(str(tmp_path))
     lines = _summary_lines(tmp_path / "out")
@@ -193,7 +193,7 @@ def test_dry_run_runs_every_step_on_the_cpu(tmp_path):
     assert lines[-1] == "GPU STUDY DRY RUN PASSED" and took < 240
     names = {p.name for p in out.iterdir()}
     assert names == OUTPUTS and len(names) <= DEVICE_RETURNS_AT_MOST_FILES
-    assert all(p.is_file() for p in out.iterdir()), "no folders: the device tool returns files two levels deep"
+    assert all(p.is_file() for p in out.iterdir()), "no folders: the output folder is copied back as plain files"
     summary = "\n".join(lines)
     assert "### Link 1:" in summary and "| ACCO |" in summary and "### Convergence" in summary
 

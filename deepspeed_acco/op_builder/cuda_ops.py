@@ -2,8 +2,8 @@
 
 The architectures to compile for are read as torch reads ``TORCH_CUDA_ARCH_LIST`` when it builds an
 extension (``torch.utils.cpp_extension``), not through DeepSpeed's parser: DeepSpeed 0.19.8 sorts the
-entries with ``int()`` on each part, so an architecture-specific entry such as "9.0a" (the lent H200
-image sets it) fails the build with "invalid literal for int()". Here "9.0a" reaches nvcc as sm_90a.
+entries with ``int()`` on each part, so an architecture-specific entry such as "9.0a" (a CUDA image
+that sets it) fails the build with "invalid literal for int()". Here "9.0a" reaches nvcc as sm_90a.
 """
 import contextlib
 import os
