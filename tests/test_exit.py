@@ -38,8 +38,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.without_deepspeed_ops]
 WORLD_SIZE = 3
 TYPES = [("ShardedAdamW", {}), ("DPU", {"warmup_sync_updates": 0}), ("ACCO", {"warmup_sync_updates": 0}),
          ("CO2", {"local_steps": 3, "warmup_sync_updates": 0})]
-UPDATES = 6
-"""A multiple of CO2's local_steps: the last micro-batch launches a job of every overlapped type."""
+UPDATES = 12
+"""A multiple of CO2's local_steps: the last micro-batch launches a job of every overlapped type. Past
+the point where every type has measured its regime and agreed on its wire with the other ranks (a
+collective in step(), after CO2's second averaging at the latest): the last rank's lateness must fall
+where the other ranks' steps wait for nobody."""
 ACCUMULATION = 2
 LATE_S = 0.5
 """How long after the other ranks have finished training the last rank runs the last micro-batch
