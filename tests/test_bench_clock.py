@@ -90,7 +90,9 @@ def _bench(out, eval_every: int, trace: str = "") -> dict:
                 # bound max(T_compute, 2 T_comm) from its measured times is its measured time.
                 regime = s["regime"]
                 assert regime["communication_share"] > 0.5, regime
-                assert regime["predicted_s"]["ACCO"] == pytest.approx(measured / 1e3, rel=0.2), (regime, measured)
+                # (the prediction for the wire it measured on: DEEPSPEED_ACCO_WIRE fixes it uncompressed here)
+                on_its_wire = regime["predicted_s"][f"ACCO ({regime['measured_wire']})"]
+                assert on_its_wire == pytest.approx(measured / 1e3, rel=0.2), (regime, measured)
         assert not rows[method]["old_clock"]
     with open(os.path.join(out, "results.md")) as f:
         assert f"Update kernels of our engines: {ops.backend('cpu')}, " in f.read()

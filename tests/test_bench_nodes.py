@@ -94,12 +94,12 @@ def test_two_nodes_two_ranks_each_time_to_target_and_bf16comm(tmp_path):
     for name in ("co2", "acco+bf16comm"):
         row = summary[name]
         assert float(row["target_loss"]) == pytest.approx(target)
-        if row["updates_to_target"]:  # reached: at an evaluation, at or below the target
+        if row["updates_to_target"]:  # reached at an evaluation (every 2 updates; every update near the target)
             steps = [r for r in csv.DictReader(open(tmp_path / "steps.csv"))
                      if r["method"] == name and r["rank"] == "0" and r["val_loss"]]
             at = {int(r["update"]): float(r["val_loss"]) for r in steps}
             u = int(row["updates_to_target"])
-            assert u % 2 == 0 and at[u] <= target and all(v > target for k, v in at.items() if k < u)
+            assert u in at and at[u] <= target and all(v > target for k, v in at.items() if k < u)
             assert int(row["final_update"]) == max(u, 4)
         else:
             assert int(row["final_update"]) == 12  # --max-updates default: 3 x --updates
