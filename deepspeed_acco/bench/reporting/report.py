@@ -622,8 +622,8 @@ def factor_rows(rows: Sequence[dict]) -> List[dict]:
     base, best, sharded = by.get(BASELINE), by.get("zero1best"), by.get("sharded")
     out = []
     for r in rows:
-        if r["method"] in ("compute", BASELINE) or not parse_variant(r["method"]).method.optimizer:
-            continue
+        if r["method"] in ("compute", BASELINE) or not parse_variant(r["method"]).method.ours:
+            continue  # DeepSpeed's own runs are the baselines, not factored
 
         def ratio(a, b, key):
             x, y = (a or {}).get(key), (b or {}).get(key)

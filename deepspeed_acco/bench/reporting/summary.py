@@ -363,7 +363,10 @@ def _theory_lines(args, rows, compute, n_params, measured_bps, probe: Optional[d
     lines = [f"Per update: T_compute = {1000 * t_comp:.0f} ms (compute-only run); T_comm = {1000 * t_fp32:.0f} ms for "
              f"one reduce-scatter + all-gather of {n_params / 1e6:.2f}M fp32 values over {link}, ideal (each method's "
              f"own below, in the bytes it moves). Bounds: DPU max(T_compute, T_comm), ACCO max(T_compute, 2 T_comm), "
-             f"CO2 max(T_compute, T_comm / {co2_overlap_steps('co2', args.local_steps, args.gap_penalty)}), others T_compute + T_comm."]
+             f"CO2 T_compute + max(0, T_comm - {co2_overlap_steps('co2', args.local_steps, args.gap_penalty)} "
+             f"T_compute) / {report.co2_local_steps('co2', args.local_steps)} (one averaging every local_steps inner "
+             f"steps, hidden under anchor_merge_steps of them), ShardedAdamW T_compute + T_comm, DeepSpeed's ZeRO-1 "
+             f"T_compute + T_comm x its passes / 2 (3 passes at its defaults, (W + 1)/W + 1 at its best on gloo)."]
     if probe:
         t_real = probe["round_s"]
         gloo_note = probe["backend"] == "gloo" and probe["reduce_scatter_s"] > 1.5 * probe["all_gather_s"]
