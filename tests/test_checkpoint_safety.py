@@ -32,8 +32,9 @@ import torch
 import engine_probe as probe
 from distributed_utils import run_distributed
 from reference_sim import TinyNet, batch, loss_fn, param_groups
+from test_checkpoint import MICRO_BATCH
+from test_checkpoint import make_config as checkpoint_config
 
-MICRO_BATCH = 4
 MODEL_FILE = "mp_rank_00_model_states.pt"
 SAVE_AT, TOTAL = 5, 11
 """ACCO with accumulation 2 (one micro-batch per half): after 5 micro-batches the estimate of update 3
@@ -74,15 +75,10 @@ class SmallNet(torch.nn.Module):
 
 
 def make_config(kind="ACCO", accumulation=2, precision=None, **params):
-    if kind in ("DPU", "ACCO"):
-        params.setdefault("warmup_sync_updates", 0)
-    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
-              "gradient_clipping": 1.0, "steps_per_print": 10_000,
-              "optimizer": {"type": kind, "params": dict(lr=1e-2, weight_decay=0.1, **params)},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
-                                                           "warmup_num_steps": 4, "warmup_type": "linear"}}}
-    if kind == "AdamW":
-        config["zero_optimization"] = {"stage": 1}
+    """tests/test_checkpoint.py's config, with a 4-step warm-up and the model's precision."""
+    config = checkpoint_config(kind, accumulation, **params)
+    config["steps_per_print"] = 10_000
+    config["scheduler"]["params"]["warmup_num_steps"] = 4
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif precision == "fp16":
