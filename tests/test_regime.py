@@ -106,6 +106,11 @@ def test_regime_window_ends_after_a_few_updates_with_enough_network_jobs():
     assert monitor.complete(1 + DECISION_UPDATES, {"jobs": 1 + DECISION_JOBS})
     assert not monitor.complete(1 + DECISION_UPDATES, {"jobs": DECISION_JOBS})  # CO2: one averaging so far
     assert monitor.no_network(1 + DECISION_UPDATES, {"jobs": 1})
+    # An early, clear choice may be made one update and one network job into the window.
+    early = RegimeMonitor()
+    assert not early.complete(1, {"jobs": 0}) and not early.early(1, {"jobs": 0})
+    assert not early.early(2, {"jobs": 0})  # CO2 between averagings: no job yet
+    assert early.early(2, {"jobs": 1}) and not early.complete(2, {"jobs": 1})
     updates, t_compute, t_comm = monitor.window(3, {"jobs": 3, "compute": 0.8, "job_update_s": 0.2,
                                                     "job_reduce_scatter_s": 0.2, "job_all_gather_s": 0.2})
     assert (updates, t_compute, t_comm) == (2, pytest.approx(0.5), pytest.approx(0.2))

@@ -49,6 +49,17 @@ def test_dpu_and_co2_decide_by_their_own_bounds():
     assert wires.choose(own, candidates)[0] == "int4"
 
 
+def test_only_a_clear_call_is_made_before_the_window_ends():
+    candidates = ("bf16", "int8", "int4")
+    assert wires.clear_early({"bf16": 2.0, "int8": 1.0, "int4": 0.9}, candidates)  # 2.2x: decide now
+    assert not wires.clear_early({"bf16": 1.1, "int8": 1.0, "int4": 1.0}, candidates)  # a close call waits
+    assert not wires.clear_early({"bf16": 1.0, "int8": 1.0, "int4": 1.0}, candidates)  # keeping it costs nothing
+    # Only wires that fit count: with int4 out of memory, bf16 is 1.1x the fastest usable one.
+    assert not wires.clear_early({"bf16": 1.1, "int8": 1.0, "int4": 0.5}, candidates, fits={"int4": False})
+    assert not wires.clear_early({"bf16": 9.0, "int8": 1.0, "int4": 1.0}, candidates,
+                                fits={"int8": False, "int4": False})
+
+
 def test_a_wire_that_does_not_fit_in_memory_is_not_taken():
     own, candidates = _own("ACCO", 0.4, 1.0)
     wire, reason, refused = wires.choose(own, candidates, fits={"int8": False, "int4": False})
@@ -198,8 +209,9 @@ def _with_figures(figures):
 def _wire_ranks(rank, world_size, directory):
     from deepspeed_acco.runtime import memory, wire
     out = {}
-    # ACCO: rank 1's link is three times slower; both ranks take the slowest figures: int8.
-    _with_figures({0: (0.4, 0.10), 1: (0.4, 0.30)})
+    # ACCO: rank 1's link is twice as slow; both ranks take the slowest figures: int8, a close call
+    # (bf16 predicted 1.1x int8's update) decided at the window's end.
+    _with_figures({0: (0.4, 0.10), 1: (0.4, 0.22)})
     engine = _engine("ACCO")
     _train(engine, 2, rank, world_size)
     before = memory.engine_breakdown(engine)
@@ -230,7 +242,7 @@ def _wire_ranks(rank, world_size, directory):
         _with_figures({0: figures, 1: figures})
         engine = _engine(kind)
         _train(engine, 12, rank, world_size)
-        out[key] = (engine.wire, _flat(engine))
+        out[key] = (engine.wire, _flat(engine), engine.regime().wire["decided_at_update"])
         engine.destroy()
     # Memory: rank 0 cannot afford the compressed buffers, so neither rank takes them.
     _with_figures({0: (0.4, 1.0), 1: (0.4, 1.0)})
@@ -253,12 +265,15 @@ def test_ranks_agree_on_the_wire_allocate_it_lazily_and_resume_on_it(tmp_path):
         assert out["before"] == ("fp32", True, 0)
         wire_now, chosen, t_comm, decided_at, compression_bytes, grown, predicted_extra = out["acco"]
         assert (wire_now, chosen) == ("int8", "int8")
-        assert t_comm == pytest.approx(0.30)  # the slowest rank's figure on both
-        assert decided_at == 5  # the first update, then the window of DECISION_UPDATES
+        assert t_comm == pytest.approx(0.22)  # the slowest rank's figure on both
+        assert decided_at == 5  # a close call: the first update, then the window of DECISION_UPDATES
         assert compression_bytes > 0 and grown == predicted_extra  # allocated at the choice, as predicted
         assert out["resumed_wire"] == "int8" and out["resumed_choice"] == 5
         assert torch.equal(out["resumed"], out["continued"])  # the resumed run continues bitwise
         assert out["acco_slow"][0] == "int4" and out["dpu"][0] == "int8" and out["co2"][0] == "int8"
+        # Clear calls (the starting wire predicted >= 1.25x the fastest) are made one update and one
+        # network job into the window: ACCO and DPU at update 2, CO2 once its first averaging is in.
+        assert out["acco_slow"][2] == 2 and out["dpu"][2] == 2 and 2 < out["co2"][2] < 5
         memory_wire, refused, reason, memory_bytes = out["memory"]
         assert memory_wire == "fp32" and refused == ["int8", "int4"] and "do not fit in memory" in reason
         assert memory_bytes == 0

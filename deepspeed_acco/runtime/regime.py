@@ -270,6 +270,14 @@ class RegimeMonitor:
         jobs = breakdown.get("jobs", 0) - before.get("jobs", 0)
         return steps - start_steps >= DECISION_UPDATES and jobs >= DECISION_JOBS
 
+    def early(self, steps: int, breakdown: Dict[str, float]) -> bool:
+        """Whether the window holds one update and one network job but is not over yet: the points where
+        a clear choice may be made early (the same answer on every rank, as :meth:`complete`'s)."""
+        if self._start is None or self.decided:
+            return False
+        start_steps, before = self._start
+        return steps - start_steps >= 1 and breakdown.get("jobs", 0) - before.get("jobs", 0) >= 1
+
     def no_network(self, steps: int, breakdown: Dict[str, float]) -> bool:
         """Whether the window is over without a single job that crossed the network (one rank)."""
         if self._start is None or self.decided:

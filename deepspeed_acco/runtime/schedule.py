@@ -245,6 +245,7 @@ class Schedule:
                                             else "compute")
         self.regime_log: Optional[str] = None
         """The regime and wire message waiting for the engine to log it (once)."""
+        self._wire_cost_cache: Optional[tuple] = None
 
     # ---- synchronous warm-up ------------------------------------------------------------------
     @property
@@ -596,19 +597,12 @@ class Schedule:
             return
         steps = self.progress.global_steps
         breakdown = self.time.snapshot()
-        if not monitor.complete(steps, breakdown):
+        complete = monitor.complete(steps, breakdown)
+        if not complete and not (self.wire_mode == wires.AUTO and monitor.early(steps, breakdown)):
             return
         updates, t_compute, t_comm = monitor.window(steps, self.time.snapshot(wait_for_device=True))
         compressed = list(wires.COMPRESSED)
-        quantization, extra, fits = {}, {}, {}
-        free = wires.free_memory_bytes(self.device)
-        numels = [flat.padded_numel for flat in self.flats]
-        members = self.network_communicator().world_size
-        for name in compressed:
-            bits = wires.bits_of(name)
-            quantization[name] = wires.quantization_job_s(bits, self.block_size, numels, members, self.device)
-            extra[name] = self.wire_extra_bytes(bits)
-            fits[name] = wires.fits_in_memory(extra[name], free)
+        quantization, extra, fits = self._wire_costs(compressed)
         agreed = wires.agree(self.control, wires.WireDecision(t_compute_s=t_compute, t_comm_s=t_comm,
                                                               quantization_s=quantization, extra_bytes=extra,
                                                               fits=fits), compressed)
@@ -616,6 +610,8 @@ class Schedule:
         if self.wire_mode == wires.AUTO:
             candidates = wires_of(self.type_name, self.precision)
             own = {name: regime.predicted_s[f"{self.type_name} ({name})"] for name in candidates}
+            if not complete and not wires.clear_early(own, candidates, fits=agreed.fits):
+                return  # a closer call: measure the whole window (every rank has the same figures)
             name, reason, refused = wires.choose(own, candidates, fits=agreed.fits)
             choice = wires.WireChoice(wire=name, reason=reason, decided_at_update=steps, measured_wire=self.wire_name,
                                       t_compute_s=agreed.t_compute_s, t_comm_s=agreed.t_comm_s, predicted_s=own,
@@ -628,6 +624,22 @@ class Schedule:
             regime.wire = choice.as_dict()
         monitor.logged = regime
         self.regime_log = regime.describe(self.type_name)
+
+    def _wire_costs(self, compressed) -> tuple:
+        """(quantisation seconds, extra bytes, fits in memory) per compressed wire on this rank, measured
+        once (the early checks of the measurement window reuse them)."""
+        if self._wire_cost_cache is None:
+            quantization, extra, fits = {}, {}, {}
+            free = wires.free_memory_bytes(self.device)
+            numels = [flat.padded_numel for flat in self.flats]
+            members = self.network_communicator().world_size
+            for name in compressed:
+                bits = wires.bits_of(name)
+                quantization[name] = wires.quantization_job_s(bits, self.block_size, numels, members, self.device)
+                extra[name] = self.wire_extra_bytes(bits)
+                fits[name] = wires.fits_in_memory(extra[name], free)
+            self._wire_cost_cache = (quantization, extra, fits)
+        return self._wire_cost_cache
 
     def wire_extra_bytes(self, bits: int) -> int:
         """Bytes per rank the buffers of a ``bits`` wire would add to this schedule's."""

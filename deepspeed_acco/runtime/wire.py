@@ -37,6 +37,12 @@ TOLERANCE = 0.05
 """A compressed wire is taken only when needed: the least compressed one whose predicted update is
 within this share of the fastest prediction."""
 
+EARLY_MARGIN = 1.25
+"""Under "auto" the wire is chosen before the window's end, as soon as one update and one network job
+into it, when the figures so far predict the starting wire at least this much slower than the fastest
+one: every further update on it would cost a quarter or more. Closer calls wait for the whole window
+(docs/design.md, "The wire")."""
+
 MEMORY_HEADROOM = 0.10
 """A wire's new buffers must fit in the free memory with this share of it to spare."""
 
@@ -125,6 +131,18 @@ def choose(predicted_s: Dict[str, float], candidates: Sequence[str], *, fits: Op
         reason = (f"{first}'s jobs do not hide behind the compute, and {wire} is the least compressed wire "
                   f"predicted within {tolerance:.0%} of the fastest" + (f" ({', '.join(others)})" if others else ""))
     return wire, reason, refused
+
+
+def clear_early(predicted_s: Dict[str, float], candidates: Sequence[str], *,
+                fits: Optional[Dict[str, bool]] = None, margin: Optional[float] = None) -> bool:
+    """Whether figures measured before the window's end already decide: the starting wire (the first
+    candidate) predicted at least ``margin`` (:data:`EARLY_MARGIN`) times
+    slower than the fastest wire that fits. Keeping the starting wire is never decided early: staying on
+    it costs nothing while the window runs."""
+    margin = EARLY_MARGIN if margin is None else margin
+    fits = fits or {}
+    usable = [wire for wire in candidates[1:] if fits.get(wire, True)]
+    return bool(usable) and predicted_s[candidates[0]] >= margin * min(predicted_s[wire] for wire in usable)
 
 
 # ---- what a wire costs --------------------------------------------------------------------------
