@@ -1,4 +1,4 @@
-"""Count unclean exits of jobs whose engines are never destroyed (docs/design.md, 6 "Exit").
+"""Count unclean exits of jobs whose engines are never destroyed (docs/failures.md, "Exit").
 
 Each run starts W ranks (gloo, CPU) that train a small MLP for 48 micro-batches with one optimizer
 type and end without ``engine.destroy()``, the way most training scripts end:

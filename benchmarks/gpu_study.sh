@@ -69,7 +69,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$REPO/build/torch_extensions
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 if [ "$DRY_RUN" -eq 1 ]; then
     TITLE="GPU study dry run"
-    # No compiler run on the CPU: the torch reference kernels, chosen explicitly (docs/design.md, 4).
+    # No compiler run on the CPU: the torch reference kernels, chosen explicitly (docs/kernels.md).
     export DEEPSPEED_ACCO_KERNELS=torch
     export CUDA_VISIBLE_DEVICES=""
 fi

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from typing import Iterable, List
 
-# The wire of DPU, ACCO and CO2 is chosen from measured timings by default (docs/design.md, "The wire"),
+# The wire of DPU, ACCO and CO2 is chosen from measured timings by default (docs/wire.md, "The wire"),
 # which would make the bitwise comparisons of this suite depend on how busy the machine is: every
 # test runs on the uncompressed wire unless it sets the variable itself (tests/test_wire.py does).
 os.environ.setdefault("DEEPSPEED_ACCO_WIRE", "uncompressed")

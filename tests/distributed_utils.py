@@ -1,6 +1,6 @@
 """Run a function on W real processes (gloo, CPU) and collect each rank's return value.
 
-Used by the multi-process tests (layer 3 of docs/design.md section 7). Each rank gets the usual launcher
+Used by the multi-process tests (layer 3 of docs/design.md, section 4). Each rank gets the usual launcher
 environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) and one thread.
 """
 import multiprocessing

@@ -5,7 +5,7 @@ optimizer is plain ``torch.optim.AdamW`` on one model; ACCO's Peek is done the s
 correct way (deep-copy model and optimizer, step, read, discard), so the simulation shares no
 code with the engine's fused path.
 
-Precision (docs/design.md, 3.6): the simulated model may compute in bf16 or fp16
+Precision (docs/precision.md, "Precision"): the simulated model may compute in bf16 or fp16
 (``model_dtype``) while every master, anchor, CO2 y_k and optimizer state stays fp32; the model
 holds the round-to-nearest cast of the fp32 values. With fp16 a static ``loss_scale`` S scales
 each micro-batch loss before backward and the summed gradients are divided by S afterwards; for a
@@ -244,7 +244,7 @@ def simulate_co2(world_size, accumulation, num_rounds, *, local_steps, outer_lr,
     ``model_dtype`` (in ``options``, like ``loss_scale``): the dtype the replicas' models compute
     in. Whatever it is, the inner AdamW masters, y_k (a replica's fp32 masters at the end of a
     round), the anchors, the outer momentum and the adaptive penalty's norms are fp32, and a
-    replica restarts each round from the fp32 anchor (docs/design.md, 3.6).
+    replica restarts each round from the fp32 anchor (docs/precision.md, "Precision").
 
     Options (docs/design.md, 3.5): ``anchor_merge_steps`` H (eager: x_{k+1} = x_k - alpha_o m_{k+1}
     from round k's own pseudo-gradient, merged H inner steps into round k+1 as x_{k+1} + the

@@ -1,4 +1,4 @@
-"""Checkpoints (docs/design.md, 5): exact continuation, DeepSpeed interop, re-sharding, atomicity, consolidation."""
+"""Checkpoints (docs/checkpoints.md): exact continuation, DeepSpeed interop, re-sharding, atomicity, consolidation."""
 import os
 import subprocess
 import sys

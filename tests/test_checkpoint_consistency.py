@@ -1,4 +1,4 @@
-"""Checkpoints in every state a job can be saved in (docs/design.md, section 5).
+"""Checkpoints in every state a job can be saved in (docs/checkpoints.md).
 
 - Step counts: a checkpoint saved while a commit has finished but is not installed yet (DPU, ACCO
   after B_t) loads into another type (ShardedAdamW, DeepSpeed ZeRO-1) with the AdamW step, the LR
@@ -322,7 +322,7 @@ def _overlapping_saved_ranks(rank, world_size, saved_world_size):
     """The saved ranks whose shard of some parameter group overlaps this rank's new shard.
 
     The files hold DeepSpeed's partitions (padding to 2 x world size); the engine's own shards are
-    padded to 64-byte boundaries (docs/design.md, section 5).
+    padded to 64-byte boundaries (docs/checkpoints.md).
     """
     from deepspeed_acco.runtime.flat import aligned_geometry, deepspeed_geometry
     model = TinyNet(0)

@@ -1,4 +1,4 @@
-"""Checkpoints are data, not code; a refused load changes nothing (docs/design.md, 5 "Load" and "Safety";
+"""Checkpoints are data, not code; a refused load changes nothing (docs/checkpoints.md, "Load" and "Safety";
 docs/usage.md, Checkpoints).
 
 - Layer 1 (this process): a file whose unpickling would run code (an object whose ``__reduce__``
@@ -358,7 +358,7 @@ def _refusal_worker(rank, world_size, base, cases, extra):
 
 
 def _type_pairs(rank, base):
-    """The other refusals of docs/design.md 5: ACCO's state into CO2, a mid-round checkpoint into another type."""
+    """The other refusals of docs/checkpoints.md: ACCO's state into CO2, a mid-round checkpoint into another type."""
     results = {}
     for name, kind, tag, pattern in (("ACCO into CO2", "CO2", "good", r"a ACCO checkpoint cannot continue as CO2"),
                                      ("mid-round ACCO into ShardedAdamW", "ShardedAdamW", "mid-round",

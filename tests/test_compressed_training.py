@@ -1,5 +1,5 @@
-"""Training with compressed communication (docs/design.md, 3.7): the engine's jobs with
-``zero_quantized_gradients`` / ``zero_quantized_weights`` on real gloo processes (docs/design.md section 7, layer 3).
+"""Training with compressed communication (docs/wire.md, "Compressed communication"): the engine's jobs with
+``zero_quantized_gradients`` / ``zero_quantized_weights`` on real gloo processes (docs/design.md, section 4, layer 3).
 
 One distributed job per world size computes everything (process start-up and engine construction
 dominate the cost on two loaded cores): first W = 3 (3 ranks do not divide the 122 parameters of

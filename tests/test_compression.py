@@ -1,4 +1,4 @@
-"""Compressed collectives (docs/design.md, 3.7): quantised reduce-scatter with error feedback and the
+"""Compressed collectives (docs/wire.md, "Compressed communication"): quantised reduce-scatter with error feedback and the
 parameter-delta all-gather, on real gloo processes (W = 2 and 3; 3 catches shard-size assumptions).
 
 One distributed run per world size computes everything (process start-up dominates the cost); the

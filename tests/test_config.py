@@ -1,4 +1,4 @@
-"""Config validation (docs/design.md, section 6): every invalid value of every key we own raises ValueError naming
+"""Config validation (docs/failures.md): every invalid value of every key we own raises ValueError naming
 the key, before torch.distributed is initialised or any collective runs."""
 import copy
 

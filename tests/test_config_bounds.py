@@ -1,5 +1,5 @@
 """Every duration and count key of the config has an upper bound, and its ValueError names the key and
-the fix (docs/design.md, 2 "Config", Ranges): a value beyond it is a mistake, and for
+the fix (docs/usage.md, "Every key: ranges, honoured, refused"): a value beyond it is a mistake, and for
 ``communication_timeout_s`` it would overflow ``datetime.timedelta`` on the way to the process groups."""
 import datetime
 

@@ -1,5 +1,5 @@
-"""DeepSpeed config keys that our optimizer types accept and ignore (docs/design.md, section 2, "Config",
-"Rejected by principle").
+"""DeepSpeed config keys that our optimizer types accept and ignore (docs/design.md, section 2,
+"Rejected by principle"; the lists: docs/usage.md, "Every key: ranges, honoured, refused").
 
 A key that changes what a DeepSpeed user expects must be implemented or rejected with the usual
 ``ValueError`` naming the key and the fix, before torch.distributed is initialised. Unknown
@@ -46,7 +46,7 @@ def assert_rejected(config, key):
     assert not dist.is_initialized(), "validation must happen before torch.distributed is initialised"
 
 
-# ---- compressed communication (docs/design.md, 3.7) ------
+# ---- compressed communication (docs/wire.md, "Compressed communication") ------
 # DeepSpeed's ZeRO++ switches, with our format under optimizer.params. How the engine then trains
 # is tested in tests/test_compressed_training.py; here: what each config turns on, and the errors.
 ZERO_PLUS_PLUS = {"zero_quantized_gradients": True, "zero_quantized_weights": True}

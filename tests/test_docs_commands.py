@@ -1,4 +1,4 @@
-"""Every command README.md, docs/ and benchmarks/ pages tell a reader to run works as written (docs/design.md, 7).
+"""Every command README.md, docs/ and benchmarks/ pages tell a reader to run works as written (docs/design.md, section 4).
 
 The commands are read from the documents: lines of fenced shell blocks and inline code that start
 with one of :data:`ENTRY_POINTS`. Commands in the report folders under docs/results/ are records

@@ -1,5 +1,5 @@
 """Multi-process engine features: dynamic accumulation with a slow rank, bf16, worker failures,
-LR schedulers and counters (docs/design.md section 7, layer 3)."""
+LR schedulers and counters (docs/design.md, section 4, layer 3)."""
 import time
 
 import pytest

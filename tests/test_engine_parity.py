@@ -1,4 +1,4 @@
-"""Multi-process (gloo) parity tests of the engine (docs/design.md section 7, layer 3).
+"""Multi-process (gloo) parity tests of the engine (docs/design.md, section 4, layer 3).
 
 - ShardedAdamW against DeepSpeed's own ZeRO-1 + AdamW (docs/design.md 3.1: fp32, 1e-6 after 20 updates).
 - DPU and ACCO against the independent simulation of docs/design.md 3.2 / 3.3 (1e-6).

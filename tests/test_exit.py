@@ -1,4 +1,4 @@
-"""A job that ends without ``engine.destroy()`` exits with status 0 (docs/design.md, 6 "Exit").
+"""A job that ends without ``engine.destroy()`` exits with status 0 (docs/failures.md, "Exit").
 
 Most training scripts never call ``destroy()``. Each rank here trains an engine of every type at
 once (micro-batches interleaved) and ends without destroying them, in a process started the way

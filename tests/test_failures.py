@@ -1,4 +1,4 @@
-"""Failure behaviour (docs/design.md, 6): non-finite gradients, fp16 loss scaling, a dead peer."""
+"""Failure behaviour (docs/failures.md): non-finite gradients, fp16 loss scaling, a dead peer."""
 import logging
 import os
 import pickle

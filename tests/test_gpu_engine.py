@@ -1,4 +1,4 @@
-"""The engine on GPUs (docs/design.md section 7, layer 4): the real NCCL pipeline, run on the lent GPU machine.
+"""The engine on GPUs (docs/design.md, section 4, layer 4): the real NCCL pipeline, run on the lent GPU machine.
 
 Skipped without CUDA (benchmarks/gpu_check.sh runs them there). What they check:
 

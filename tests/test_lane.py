@@ -1,7 +1,7 @@
 """The communication lane (deepspeed_acco/runtime/comm.py): ordering, results read at the wait, the
 hang check and the timeouts of our process groups; the device-side update decisions of the jobs.
 
-Layers 1 and 2 of docs/design.md section 7: pure functions and the lane with fake communicators, no
+Layers 1 and 2 of docs/design.md, section 4: pure functions and the lane with fake communicators, no
 processes. The CUDA lane tests run where a GPU is visible (benchmarks/gpu_check.sh).
 """
 import datetime
@@ -487,7 +487,7 @@ def test_point_to_point_posts_every_receive_before_any_send(monkeypatch):
     values = torch.zeros(4)
     global_ranks = [4, 5, 6]  # the group's members
     comm._point_to_point([(1, values), (2, values)], [(2, values), (1, values)], group=None, global_ranks=global_ranks)
-    # By rank in the group where torch can (no lookup in its registry of groups: docs/design.md, 6 "Exit").
+    # By rank in the group where torch can (no lookup in its registry of groups: docs/failures.md, "Exit").
     peer = (lambda rank: rank) if comm._P2P_BY_GROUP_RANK else (lambda rank: global_ranks[rank])
     assert posted == [("recv", peer(2)), ("recv", peer(1)), ("send", peer(1)), ("send", peer(2)),
                       "wait", "wait", "wait", "wait"]

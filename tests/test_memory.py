@@ -1,4 +1,4 @@
-"""Memory accounting (docs/design.md, "Memory: bytes per parameter per rank").
+"""Memory accounting (docs/precision.md, "Memory: bytes per parameter per rank").
 
 One multi-process (gloo) job per world size (2 and 4) builds every optimizer type in several
 precisions and checks, on every rank:

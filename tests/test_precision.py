@@ -1,4 +1,4 @@
-"""Every optimizer type in every precision against the independent simulation (docs/design.md, 3.6,
+"""Every optimizer type in every precision against the independent simulation (docs/precision.md, "Precision",
 "Reduced precision": masters, anchors, CO2's y_k and every optimizer state are fp32, the model holds
 the cast; with fp16 each round is unscaled by the loss scale its own backward used).
 
@@ -6,9 +6,9 @@ the cast; with fp16 each round is unscaled by the loss scale its own backward us
   ranks, against ``reference_sim`` run with fp32 master math and the model computing in the low
   precision (fp16 with a static power-of-two loss scale, which the simulation applies exactly).
 - fp16 dynamic loss scaling: with power-of-two scales and no overflow, a run whose scale doubles at
-  every update equals the static-scale run (docs/design.md, 3.6: fp16 loss scaling).
+  every update equals the static-scale run (docs/precision.md, "Precision": fp16 loss scaling).
 - CO2 in bf16 at a small learning rate, where bf16 rounding bites: against the simulation, and its
-  parameters move as far as in fp32 (docs/design.md, 3.6: fp32 masters).
+  parameters move as far as in fp32 (docs/precision.md, "Precision": fp32 masters).
 - ACCO with dynamic accumulation and a slow rank: the committed updates equal a simulation that
   replays each rank's micro-batch counts and averages by the global count (docs/design.md, 3.4).
 
@@ -51,7 +51,7 @@ DYNAMIC_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 6, "los
 updates, always a power of two and (for this model) never overflowing."""
 FP32_STATE_TOLERANCE = 1e-6
 
-# CO2 in bf16 at a small learning rate (docs/design.md, 3.6): progress below one bf16 ulp per step
+# CO2 in bf16 at a small learning rate (docs/precision.md, "Precision"): progress below one bf16 ulp per step
 # must not be lost, measured at a small scale.
 SLOW_LR, SLOW_UPDATES, SLOW_LOCAL_STEPS = 1e-4, 64, 4
 

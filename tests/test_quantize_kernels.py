@@ -1,7 +1,7 @@
 """Block-quantisation kernels of compressed communication (docs/kernels.md, "Compressed communication")
 and their torch reference.
 
-Layer 1 of docs/design.md section 7: the reference against hand-computed codes and its error bounds, then
+Layer 1 of docs/design.md, section 4: the reference against hand-computed codes and its error bounds, then
 the fused CPU kernels (and CUDA, when a GPU is visible) bitwise against the reference over awkward
 sizes, every block size and bit width, several chunks per call, exaggerated magnitudes, zero and
 tiny blocks, inf/NaN, and every fp16 bit pattern for the held copies.

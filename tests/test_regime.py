@@ -1,4 +1,4 @@
-"""Where the time goes and the regime a job is in (docs/design.md, "Where the time goes"; test plan layers 1 and
+"""Where the time goes and the regime a job is in (docs/wire.md, "Where the time goes"; test plan layers 1 and
 2): a wait split by the job's phases, the regime's predictions from the bounds on a fake clock, when the engine
 logs it, and the breakdown a schedule counts on a communicator that takes known time."""
 import time

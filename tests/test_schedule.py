@@ -1,4 +1,4 @@
-"""The round schedules with a fake communicator (docs/design.md section 7, layer 2): what is launched, installed
+"""The round schedules with a fake communicator (docs/design.md, section 4, layer 2): what is launched, installed
 and sent at which boundary, and what an estimate leaves untouched. No processes, one rank."""
 import torch
 

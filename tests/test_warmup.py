@@ -1,4 +1,4 @@
-"""Synchronous warm-up and cool-down (``warmup_sync_updates``, ``sync_after_updates``; docs/design.md, 3.8): the
+"""Synchronous warm-up and cool-down (``warmup_sync_updates``, ``sync_after_updates``; docs/design.md, 3.6): the
 first N committed updates of DPU and ACCO are ShardedAdamW updates, then the type's rule takes over
 from the committed parameters with the optimizer state, step count and LR schedule carried on; with
 a cool-down, every update after the first M is ShardedAdamW's again. Checkpoints inside the warm-up,

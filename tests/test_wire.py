@@ -1,4 +1,4 @@
-"""The wire chosen from the link (docs/design.md, "The wire"): the rule on a fake clock (each wire the choice
+"""The wire chosen from the link (docs/wire.md, "The wire"): the rule on a fake clock (each wire the choice
 in turn, the memory rule), the config keys that select or fix it (layer 1), and on real gloo processes
 (layer 3) ranks with different measurements agreeing, the buffers allocated only at the choice, replicas
 staying identical on the chosen wire, a resumed run keeping the choice, and a run that cannot afford the

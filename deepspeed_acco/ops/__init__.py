@@ -1,4 +1,4 @@
-"""Fused flat-shard update rules (docs/design.md, section 4): AdamW step, AdamW peek, CO2 outer step.
+"""Fused flat-shard update rules (docs/kernels.md): AdamW step, AdamW peek, CO2 outer step.
 
 Each public function validates its arguments and dispatches to one backend with the same
 signature: the pure-torch reference (:mod:`.reference`, which defines the semantics) or a fused

@@ -4,7 +4,7 @@ Decided once per device type and cached, so a dispatch costs one dict lookup:
 
 * CPU tensors use the ``acco_cpu_ops`` kernels, CUDA tensors the ``acco_cuda_ops`` kernels, each
   built with ninja on first use (see :mod:`deepspeed_acco.op_builder`).
-* CUDA is strict (docs/design.md, 4): if the CUDA kernels cannot be built or loaded, the first
+* CUDA is strict (docs/kernels.md): if the CUDA kernels cannot be built or loaded, the first
   dispatch (``deepspeed_acco.initialize`` makes it before building anything) raises with the
   build's error. A GPU job that silently ran on the reference would run at a fraction of the
   speed with nothing to say so (it happened on the first GPU run, docs/gpu_check.md).

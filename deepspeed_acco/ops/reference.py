@@ -1,4 +1,4 @@
-"""Pure-torch reference implementations of the fused update rules (docs/design.md, section 4).
+"""Pure-torch reference implementations of the fused update rules (docs/kernels.md).
 
 These functions *define* the semantics that the fused C++/CUDA kernels must reproduce. They
 follow ``torch.optim.AdamW``'s single-tensor code path operation by operation, so that
@@ -7,7 +7,7 @@ follow ``torch.optim.AdamW``'s single-tensor code path operation by operation, s
 All tensors are 1-D, contiguous and fp32 (``out`` may be fp32 or bf16). Validation happens in
 the public dispatchers of :mod:`deepspeed_acco.ops`; these functions assume valid input.
 
-The second half defines the block quantisation of compressed communication (docs/design.md, 3.7):
+The second half defines the block quantisation of compressed communication (docs/wire.md, "Compressed communication"):
 the packed format, the rounding and the four operations the kernels of
 :mod:`deepspeed_acco.ops.quantization` reproduce bitwise (there ``packed`` is a 2-D uint8 tensor
 and held copies may be bf16 or fp16).
@@ -159,7 +159,7 @@ def _co2_outer_step_variant(prev_anchor, anchor, momentum, mean_params, *, outer
 
 
 # ---------------------------------------------------------------------------------------------
-# Block quantisation for compressed communication (docs/design.md, 3.7; format in docs/kernels.md)
+# Block quantisation for compressed communication (docs/wire.md, "Compressed communication"; format in docs/kernels.md)
 # ---------------------------------------------------------------------------------------------
 #
 # A chunk of n fp32 values is cut into blocks of `block_size` values (the last one may be

@@ -58,7 +58,7 @@ def build(*, module: torch.nn.Module, param_groups: List[Dict], config: EngineCo
 
     communicators: List[Communicator] = []
     # A dedicated process group for the jobs, so the training loop's own collectives never
-    # interleave with them (docs/design.md, section 6).
+    # interleave with them (docs/failures.md).
     jobs = new_communicator(list(range(world_size)), timeout_s, name="acco-jobs")
     communicators.append(jobs)
     control = new_control_plane(timeout_s)

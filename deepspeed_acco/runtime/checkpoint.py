@@ -1,4 +1,4 @@
-"""Checkpoints in DeepSpeed's ZeRO-1 layout that continue the overlapped pipeline exactly (docs/design.md, 5).
+"""Checkpoints in DeepSpeed's ZeRO-1 layout that continue the overlapped pipeline exactly (docs/checkpoints.md).
 
 Layout (``save_dir/tag/``), as DeepSpeed writes it, so its tools and loaders understand ours:
   mp_rank_00_model_states.pt                   rank 0: the committed module weights, counters and

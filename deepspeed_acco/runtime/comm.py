@@ -1,4 +1,4 @@
-"""The communication side of the pipeline (docs/design.md, sections 3 and 6): the lane that issues
+"""The communication side of the pipeline (docs/design.md, section 3; docs/failures.md): the lane that issues
 every job's collectives in one order, the narrow communicator object the jobs talk to, the
 control plane, and the timeouts that turn a dead peer into an error naming the collective.
 

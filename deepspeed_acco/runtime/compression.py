@@ -1,4 +1,4 @@
-"""Compressed collectives of the communication jobs (docs/design.md, 3.7).
+"""Compressed collectives of the communication jobs (docs/wire.md, "Compressed communication").
 
 Two collectives on the process group a :class:`~.comm.Communicator` holds, with the block
 quantisation of :mod:`deepspeed_acco.ops.quantization` (int8 or int4 codes, one fp32 scale per
@@ -40,7 +40,7 @@ Bytes each rank sends per call: (W - 1) * packed_bytes(S) for either collective,
 block 128. Both collectives are device-agnostic (gloo on CPU, NCCL on CUDA, kernels on the
 current stream) and make no host synchronisation.
 
-The update jobs hold one :class:`GroupCompression` per flat group (docs/design.md, 3.7): it
+The update jobs hold one :class:`GroupCompression` per flat group (docs/wire.md, "Compressed communication"): it
 adapts the residual to the round's loss scale and owns the fp32 buffer the update rule writes the
 new shard into; checkpoints store its :meth:`~GroupCompression.state_dict`.
 """
@@ -258,7 +258,7 @@ class DeltaAllGather:
             ops.apply_delta(self._gathered, held, out=output, **kernel_args)
 
 
-# ---- how the update jobs use the collectives (docs/design.md, 3.7) ------------------------------
+# ---- how the update jobs use the collectives (docs/wire.md, "Compressed communication") ---
 @dataclass(frozen=True)
 class CompressionConfig:
     """What an engine's jobs compress: ``zero_optimization.zero_quantized_gradients`` /

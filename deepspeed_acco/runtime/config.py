@@ -137,12 +137,12 @@ class EngineConfig:
     """Model/compute dtype: "fp32", "bf16" or "fp16" (master weights and optimizer state are always fp32)."""
     communication_dtype: str = "fp32"
     """dtype of the gradient reduce-scatter ("fp32", "bf16" or "fp16"; the all-gather uses the model dtype):
-    ``communication_data_type`` when given, else the model's dtype, DeepSpeed's rule (docs/design.md, 3.6)."""
+    ``communication_data_type`` when given, else the model's dtype, DeepSpeed's rule (docs/precision.md, "Precision")."""
     communication_dtype_given: bool = False
     """Whether ``communication_data_type`` was in the config (False: the dtype follows DeepSpeed's rule)."""
     accumulation_dtype: str = "fp32"
     """dtype of the round's gradient sums (``data_types.grad_accum_dtype``): fp32 by default
-    (docs/design.md, 3.6); "bf16" (bf16 models only) saves 2 bytes per parameter, as DeepSpeed's
+    (docs/precision.md, "Precision"); "bf16" (bf16 models only) saves 2 bytes per parameter, as DeepSpeed's
     bf16 default does."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Quantised reduce-scatter / all-gather (``zero_quantized_gradients`` / ``zero_quantized_weights``, or
@@ -469,7 +469,7 @@ _FORMAT_PARAMS = ("quantization_bits", "quantization_block_size")
 
 def _parse_compression(zero: Any, params: Any, raw_params: Dict[str, Any], communication_dtype: Optional[str],
                        kind: str, auto: bool = False) -> CompressionConfig:
-    """ZeRO++'s switches with our format params (docs/design.md, 3.7); ``communication_dtype``: the
+    """ZeRO++'s switches with our format params (docs/wire.md, "Compressed communication"); ``communication_dtype``: the
     ``communication_data_type`` the config gives (None: not given); ``auto``: the wire is chosen by the
     engine, which may compress (the block size then applies; the bits are the choice's)."""
     gradients, weights = _parse_zero(zero, kind)
@@ -581,7 +581,7 @@ _COMPRESSED_WIRES = {"int8": 8, "int4": 4}
 
 def _parse_communication_dtype(value: Any, precision: str) -> Optional[str]:
     """``communication_data_type`` as one of our wire names ("auto", a dtype, "int8", "int4"), or None
-    when the config does not give it (docs/design.md, "The wire")."""
+    when the config does not give it (docs/wire.md, "The wire")."""
     if value is None:
         return None
     text = str(value).lower()
@@ -599,7 +599,7 @@ def _parse_communication_dtype(value: Any, precision: str) -> Optional[str]:
 
 
 def resolve_wire(given: Optional[str], kind: str, compression: CompressionConfig, precision: str) -> str:
-    """The wire the config asks for (docs/design.md, "The wire"): what ``communication_data_type`` gives;
+    """The wire the config asks for (docs/wire.md, "The wire"): what ``communication_data_type`` gives;
     else what ZeRO++'s keys fix; else "auto" for the overlapped types and the model's dtype for
     ShardedAdamW, which never compresses on its own."""
     if compression.enabled:
@@ -612,7 +612,7 @@ def resolve_wire(given: Optional[str], kind: str, compression: CompressionConfig
 
 
 def resolve_communication_dtype(given: Optional[str], precision: str, compressed_gradients: bool) -> str:
-    """The dtype gradients are reduced in (docs/design.md, 3.6), DeepSpeed's rule: ``communication_data_type``
+    """The dtype gradients are reduced in (docs/precision.md, "Precision"), DeepSpeed's rule: ``communication_data_type``
     when given, else the model's dtype (bf16 under bf16, fp16 under fp16 with the loss scale, fp32 in fp32).
     With compressed gradients the reduce-scatter quantises fp32 sums, so their buffers are fp32."""
     if given is not None:

@@ -93,7 +93,7 @@ class _Leftovers:
 def _destroy_live_engines() -> None:
     """At interpreter exit (before ``destroy_process_group()`` of the default group, whose hook is
     registered first): destroy the engines still alive, then finish and release what the engines freed
-    without ``destroy()`` left running; docs/design.md, 6 "Exit"."""
+    without ``destroy()`` left running; docs/failures.md, "Exit"."""
     for engine in list(_LIVE_ENGINES):
         engine.destroy()
     for leftovers in list(_NOT_DESTROYED):
@@ -220,7 +220,7 @@ class AccoEngine(DeepSpeedEngine):
     def regime(self) -> Optional[Regime]:
         """Measured compute and communication time per update, the communication share, each type's
         predicted time per update on each wire from the bounds, and the wire this engine chose
-        (runtime/regime.py, runtime/wire.py; docs/design.md, "Where the time goes" and "The wire"). The
+        (runtime/regime.py, runtime/wire.py; docs/wire.md, "Where the time goes" and "The wire"). The
         window is the one logged once near the start (:data:`~deepspeed_acco.runtime.regime.DECISION_UPDATES`
         updates after the first); before its end, the updates since the first; None before a job finished."""
         return self.schedule.regime()
@@ -234,13 +234,13 @@ class AccoEngine(DeepSpeedEngine):
         message = self.schedule.take_regime_log()
         if message:
             # At WARNING: DeepSpeed's logger shows nothing below it by default, and this line is the
-            # one report a user reads to choose a type and see the wire (docs/design.md, "The wire").
+            # one report a user reads to choose a type and see the wire (docs/wire.md, "The wire").
             _log_rank0(message, logging.WARNING)
 
     def time_breakdown(self) -> Dict[str, float]:
         """Cumulative seconds of this rank's training thread, per part: ``compute`` (forward and
         backward), ``blocked`` (waiting for communication), ``optimizer`` (waiting for a job's shard
-        update), ``boundary`` (the rest of the round boundaries); docs/design.md, "Where the time goes"."""
+        update), ``boundary`` (the rest of the round boundaries); docs/wire.md, "Where the time goes"."""
         return self.schedule.time.snapshot()
 
     @property
@@ -251,7 +251,7 @@ class AccoEngine(DeepSpeedEngine):
 
     def wire_bytes_per_job(self) -> Dict[str, int]:
         """Bytes this rank sends per update job (CO2: per outer averaging job), by collective:
-        ``{"reduce_scatter": ..., "all_gather": ...}``, with or without compression (docs/design.md, 3.7)."""
+        ``{"reduce_scatter": ..., "all_gather": ...}``, with or without compression (docs/wire.md, "Compressed communication")."""
         return self.schedule.wire_bytes_per_job()
 
     @property
@@ -462,7 +462,7 @@ class AccoEngine(DeepSpeedEngine):
 
     def memory_breakdown(self) -> Dict[str, Any]:
         """The buffers this rank's engine holds, in bytes and bytes per parameter, by category
-        (docs/design.md, "Memory: bytes per parameter per rank"; :mod:`deepspeed_acco.runtime.memory`)."""
+        (docs/precision.md, "Memory: bytes per parameter per rank"; :mod:`deepspeed_acco.runtime.memory`)."""
         from .memory import engine_breakdown
         return engine_breakdown(self)
 

@@ -72,7 +72,7 @@ class FlatParamGroup:
                                     communication dtype is the model's, it *is* ``job_grad``
                                     (``gather_shares_job_grad``, below)
 
-    Sharing ``gather`` with ``job_grad`` (docs/design.md, "Memory: bytes per parameter per rank")
+    Sharing ``gather`` with ``job_grad`` (docs/precision.md, "Memory: bytes per parameter per rank")
     saves b_m P bytes per rank. It is safe because a job reads ``job_grad`` only in its
     reduce-scatter, which has ended before its update writes the first gathered element, and the
     boundary installs the gathered vector into ``model_flat`` before the next hand-over writes new

@@ -17,7 +17,7 @@ The update itself is an :class:`UpdateRule` (AdamW for our four types): ``commit
 master weights and the rule's state, ``estimate`` (ACCO's Peek) only writes the parameters a
 commit would give.
 
-With compressed communication (docs/design.md, 3.7) the reduce-scatter is the quantised one with
+With compressed communication (docs/wire.md, "Compressed communication") the reduce-scatter is the quantised one with
 error feedback, and the rule writes the new shard into an fp32 buffer from which the all-gather
 sends the quantised delta against the model's parameters, which every rank holds identically.
 """
@@ -192,7 +192,7 @@ class ShardUpdateJob:
     """Global micro-batch count of ``carried``."""
     compression: Optional[List[GroupCompression]] = None
     """Per group, the compressed collectives that replace the reduce-scatter and/or the all-gather
-    (docs/design.md, 3.7); None: both uncompressed."""
+    (docs/wire.md, "Compressed communication"); None: both uncompressed."""
 
     def __call__(self) -> DeviceReadback:
         device = self.states[0].master.device

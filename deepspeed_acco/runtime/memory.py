@@ -1,6 +1,6 @@
 """Memory accounting: the buffers an engine holds, by category, in bytes and bytes per parameter.
 
-Three views of the same numbers (docs/design.md, "Memory: bytes per parameter per rank"):
+Three views of the same numbers (docs/precision.md, "Memory: bytes per parameter per rank"):
 
 - :func:`engine_breakdown` (``engine.memory_breakdown()``): the tensors this rank's engine holds,
   each storage counted once (buffers that share a storage are caught and listed under

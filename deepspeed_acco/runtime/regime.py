@@ -224,7 +224,7 @@ def measure(before: Dict[str, float], after: Dict[str, float], updates: int, *, 
 
 DECISION_UPDATES = 4
 """Updates the regime (and the wire choice) is measured over, after the first one: a synchronous
-warm-up of at least this many updates measures it cleanly (docs/design.md, "The wire")."""
+warm-up of at least this many updates measures it cleanly (docs/wire.md, "The wire")."""
 
 DECISION_JOBS = 2
 """Jobs that crossed the network the measurement needs at least (CO2 averages once per round)."""

@@ -512,7 +512,7 @@ class Schedule:
                               predivisor=predivisor, **options)
 
     def _communication_predivisor(self) -> float:
-        """fp16 reductions carry means, as DeepSpeed's do (docs/design.md, 3.6): the round's gradient sums are
+        """fp16 reductions carry means, as DeepSpeed's do (docs/precision.md, "Precision"): the round's gradient sums are
         divided by its nominal micro-batches times the communicator's ranks when cast; other dtypes: 1.
         The divisor must be the same on every rank (the job multiplies the reduced sum back by it), so
         under dynamic accumulation, where ranks contribute different counts, it stays the nominal one: a

@@ -1,4 +1,4 @@
-"""``warmup_sync_updates: "auto"``: how many updates start synchronous (docs/design.md, 3.8).
+"""``warmup_sync_updates: "auto"``: how many updates start synchronous (docs/design.md, 3.6).
 
 The rule, applied once when the engine is built, from the LR scheduler the engine steps (one
 scheduler step per committed update):
@@ -198,7 +198,7 @@ def describe_warmup(updates: int, reason: Optional[str]) -> str:
 
 
 def warmup_after_resume(resolved: int, saved: Optional[int], global_steps: int, rule_under_way: bool) -> int:
-    """N for a run that continues a checkpoint of its own type (docs/design.md, 3.8 and 5).
+    """N for a run that continues a checkpoint of its own type (docs/design.md, 3.6; docs/checkpoints.md).
 
     ``resolved``: this run's N; ``saved``: the N the checkpoint was written under (None: written
     before checkpoints recorded it); ``global_steps``: the updates the checkpoint committed;

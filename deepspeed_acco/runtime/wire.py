@@ -1,4 +1,4 @@
-"""The wire a type's communication jobs use, and its choice from the measured link (docs/design.md, "The wire").
+"""The wire a type's communication jobs use, and its choice from the measured link (docs/wire.md, "The wire").
 
 ``communication_data_type`` names the wire:
 
@@ -41,7 +41,7 @@ EARLY_MARGIN = 1.25
 """Under "auto" the wire is chosen before the window's end, as soon as one update and one network job
 into it, when the figures so far predict the starting wire at least this much slower than the fastest
 one: every further update on it would cost a quarter or more. Closer calls wait for the whole window
-(docs/design.md, "The wire")."""
+(docs/wire.md, "The wire")."""
 
 MEMORY_HEADROOM = 0.10
 """A wire's new buffers must fit in the free memory with this share of it to spare."""

@@ -62,7 +62,7 @@ def synchronize(device) -> None:
 
 
 def kernel_backend(device) -> str:
-    """Which update kernels our engine dispatches to (docs/design.md, section 4)."""
+    """Which update kernels our engine dispatches to (docs/kernels.md)."""
     from deepspeed_acco import ops
     return ops.backend(device)
 

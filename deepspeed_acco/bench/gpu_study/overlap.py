@@ -10,7 +10,7 @@ ACCO and CO2, every collective delayed by its time on an emulated ring of W rank
 3. the link rates: for each ``--shares`` s, the rate at which DeepSpeed ZeRO-1 (its t_0, and its
    traffic per update) spends s of its update communicating;
 4. per method and rate: ms/update; the emulated link time per update L (CUDA events around every
-   delay); the method's bound (docs/design.md, "Where the time goes", with T_comm = L per round:
+   delay); the method's bound (docs/wire.md, "Where the time goes", with T_comm = L per round:
    ZeRO-1 and ShardedAdamW T_compute + T_comm, DPU max(T_compute, T_comm), ACCO max(T_compute,
    2 T_comm), CO2 max(T_compute, T_comm / H)); and the share of L the method hid,
    1 - (ms/update - t_0) / L.

@@ -19,7 +19,7 @@ kernels of other streams keep running). Cycles per second are fitted at start-up
 events (:func:`calibrate_spin`) and checked on a few delays (:func:`check_spin`); every delay is
 timed by events too, so the study reports the link time that really elapsed. On the CPU (the dry
 run) the delay is a host sleep on the thread that issued the collective: our engine runs its jobs on
-a worker thread there (docs/design.md, section 6), so the sleep delays that job's timeline just as
+a worker thread there (docs/failures.md), so the sleep delays that job's timeline just as
 the spin delays the side stream on CUDA, and DeepSpeed's training thread sleeps after its own
 collectives just as its stream would wait.
 

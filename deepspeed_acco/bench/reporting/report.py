@@ -584,7 +584,7 @@ def co2_local_steps(method: str, local_steps: Optional[int] = None) -> int:
 def bound_seconds(method: str, t_compute: float, t_comm: float, local_steps: Optional[int] = None,
                   gap_penalty=None, *, sync_updates: int = 0, updates: int = 0, t_comm_after: Optional[float] = None,
                   switch_update: Optional[int] = None) -> Optional[float]:
-    """Lower bound on the mean per-update time (docs/design.md, "Where the time goes"), T_comm being one
+    """Lower bound on the mean per-update time (docs/wire.md, "Where the time goes"), T_comm being one
     job of the method: DPU max(T_compute, T_comm), ACCO max(T_compute, 2 T_comm), CO2 T_compute +
     max(0, T_comm - H T_compute) / tau (its averaging, once every tau = local_steps inner steps, may take
     H of them: :func:`methods.co2_overlap_steps`), synchronous methods T_compute + T_comm (for

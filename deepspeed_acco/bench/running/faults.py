@@ -7,7 +7,7 @@ A fault hits node 1 of a :class:`~deepspeed_acco.bench.network.netns.Cluster` wh
   Nothing is reset: the TCP connections between the nodes simply stop carrying packets, as when a
   cable or a switch port fails. Every rank must then exit non-zero within
   ``communication_timeout_s`` + :data:`EXIT_GRACE_S` of the fault, with an error naming the
-  collective and the peer (docs/design.md, 6).
+  collective and the peer (docs/failures.md).
 - ``flap:S@U``: the NIC goes down for S seconds (less than the timeout) and comes back. The
   connections survive (TCP retransmits), so training continues without an error, only later, and
   its losses equal an undisturbed run's bitwise (:func:`compare_losses`).

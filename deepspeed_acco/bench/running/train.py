@@ -562,7 +562,7 @@ def run(args) -> dict:
                    job_ms=job_summary_ms(jobs_at_updates or {}),
                    warmup_sync_updates=getattr(getattr(engine, "schedule", None), "warmup_sync_updates", None),
                    regime=_regime_record(engine), update_backend=_update_backend(engine, device))
-    from ..reporting.memory import engine_memory  # bytes per parameter by category (docs/design.md, "Memory")
+    from ..reporting.memory import engine_memory  # bytes per parameter by category (docs/precision.md, "Memory: bytes per parameter per rank")
     summary["memory"] = engine_memory(engine)
     with open(os.path.join(args.run_dir, f"rank{rank}.summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -128,7 +128,7 @@ class Variant:
         """Bytes per value of (gradient reduce-scatter, parameter all-gather) in one round.
 
         Both DeepSpeed and deepspeed_acco reduce gradients in the model's dtype unless
-        ``communication_data_type`` says otherwise (docs/design.md, 3.6); CO2's round averages
+        ``communication_data_type`` says otherwise (docs/precision.md, "Precision"); CO2's round averages
         parameters, in fp32 unless that key is given, and gathers the new anchor in fp32
         (``OuterState.gather``) unless weights are compressed. Other methods gather parameters in the
         model's dtype."""

@@ -87,7 +87,7 @@ class CO2Params(WarmupParams, AdamWParams):
     """SlowMo: divide the pseudo-gradient by gamma_k, the mean inner learning rate of round k, and
     multiply the outer step by it."""
     warmup_sync_updates: Union[int, str] = field(default=0, metadata={"choices": (AUTO, )})
-    """N synchronous inner steps first (docs/design.md, 3.8); "auto" is for DPU and ACCO only."""
+    """N synchronous inner steps first (docs/design.md, 3.6); "auto" is for DPU and ACCO only."""
 
     @property
     def eager_merge(self) -> bool:

@@ -160,7 +160,7 @@ class WarmupParams:
     """The first N committed updates are synchronous ZeRO-1 AdamW updates (ShardedAdamW's); the type's
     own rule takes over after them from the committed parameters, without a restart (optimizer
     state, step count and LR schedule carry on). 0: no warm-up. "auto" (the default for DPU and
-    ACCO): N from the LR scheduler when the engine is built (docs/design.md, 3.8;
+    ACCO): N from the LR scheduler when the engine is built (docs/design.md, 3.6;
     :mod:`deepspeed_acco.runtime.warmup`)."""
 
     def validate(self, prefix: str) -> None:
