@@ -48,6 +48,31 @@ def test_acco_study_zero1_is_the_co2_study_zero1_and_acco_departs_after_one_upda
         assert p["error_over_noise"] == pytest.approx(p["gradient_error"] / p["half_noise"])
 
 
+def test_acco_study_compressed_wire_keeps_what_it_does_not_send():
+    study = _load("acco_study")
+    torch.manual_seed(0)
+    values = torch.randn(300) * 3
+    sent = study.quantize_blocks(values, 4, 128)
+    scale = torch.nn.functional.pad(values, (0, 84)).view(-1, 128).abs().amax(dim=1) / 7
+    assert ((values - sent).abs().view(-1)[:256].view(2, 128) <= scale[:2, None] / 2 * (1 + 1e-6)).all()
+    assert len(set(sent[:128].tolist())) <= 15  # int4: at most 15 levels per block
+    # Error feedback: over several calls, what the owners received plus the residuals is what was put in.
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        reduce = study.CompressedReduce(301, 2, 4, 128, dtype)
+        sums = [torch.randn(301), torch.randn(301)]
+        received = sum(reduce(sums) for _ in range(5))
+        padded = torch.nn.functional.pad(5 * (sums[0] + sums[1]), (0, 1))
+        left = reduce.residuals[0].float() + reduce.residuals[1].float()
+        assert torch.allclose(received + left[:301], padded[:301], atol=tolerance)
+        assert reduce.residuals[0].dtype == dtype and reduce.residuals[0][:151].abs().sum() == 0  # own chunk
+    # The wire changes the run, the residual's dtype changes it less than int4 does.
+    exact, _ = _evals("acco")
+    fp32, _ = _evals("acco", ["--wire", "int4"])
+    bf16, _ = _evals("acco", ["--wire", "int4", "--residual", "bf16"])
+    assert fp32[0] == exact[0] and fp32[-1] != exact[-1] and bf16[-1] != fp32[-1]
+    assert abs(bf16[-1] - fp32[-1]) < abs(fp32[-1] - exact[-1])
+
+
 def _write_steps(folder, rows):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "steps.csv"), "w", newline="") as f:

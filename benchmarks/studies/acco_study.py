@@ -1,4 +1,4 @@
-"""Single-process study of ACCO's rule (docs/design.md 3.3) against data-parallel AdamW on the bench's setting.
+"""Single-process study of ACCO's rule (docs/design.md, 3.3) against data-parallel AdamW on the bench's setting.
 
 One GPT-Neo preset trained on exactly the micro-batches, learning-rate schedule, clipping and
 initial weights of the bench's W ranks (``deepspeed_acco/bench``), with AdamW written out on one
@@ -13,9 +13,17 @@ split into the first half A_t and the second half B_t:
 * ``zero1``: theta_{t+1} = AdamW(theta_t, mean g(theta_t; A_t + B_t));
 * ``acco``: A_t at the estimate theta~_t, B_t at theta_t,
   theta~_{t+1} = Peek(theta_t, m_t, v_t, mean g(theta~_t; A_t)) (AdamW on copies),
-  theta_{t+1} = AdamW(theta_t, mean of both halves) (DESIGN 3.3);
+  theta_{t+1} = AdamW(theta_t, mean of both halves) (docs/design.md, 3.3);
 * ``stale-half``: A_t at theta_{t-1} instead of an estimate (what ACCO's Peek improves on: half
   the batch one update stale, as DPU makes all of it).
+
+``--wire int8|int4`` reduces each half's gradients as the engine's compressed jobs do (docs/wire.md,
+"Compressed communication"): every rank sends the other ranks' chunks of its own gradient sum
+block-quantised (symmetric codes, one fp32 scale per ``--block-size`` values, round half to even)
+with error feedback, and each owner adds them to its own exact chunk (each half its own job and residual, for ``zero1``
+too). ``--residual bf16`` keeps
+each rank's error-feedback residual in bf16 (rounded after every call) instead of fp32: what a
+bf16 residual would cost in loss. The parameters' all-gather stays exact here.
 
 Prints the validation loss at ``--eval-points`` updates and, per update, the distance of the
 estimate from the parameters it estimates (``acco``). Writes one JSON file (``--out``).
@@ -63,6 +71,11 @@ def parse_args(argv=None):
                    help="acco: every N updates also compute the first half's gradient at the committed "
                         "parameters (same micro-batches) and record how far the estimate moves it, against the "
                         "half-batch noise (gradient_probe in the JSON; 0: off)")
+    p.add_argument("--wire", choices=["exact", "int8", "int4"], default="exact",
+                   help="the gradients' reduce-scatter: exact, or block-quantised with error feedback")
+    p.add_argument("--residual", choices=["fp32", "bf16"], default="fp32",
+                   help="the dtype the error-feedback residual is kept in (with --wire int8/int4)")
+    p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.grad_accum % 2:
@@ -122,13 +135,19 @@ class Model:
         """The fp32 master vector (with --bf16, of the seeded fp32 weights the bench starts from)."""
         return self.torch.nn.utils.parameters_to_vector(self.fp32_params).detach().clone()
 
-    def gradient_sum(self, at, micro_batches_per_rank: int):
-        """Sum of the gradients of every rank's next micro-batches at ``at``; count; mean loss."""
+    def gradient_sum(self, at, micro_batches_per_rank: int, reduce=None):
+        """Sum of the gradients of every rank's next micro-batches at ``at``; count; mean loss.
+        ``reduce`` (a :class:`CompressedReduce`) sums the ranks' own sums as its wire does."""
         torch = self.torch
         copy_into(at, self.params)
         losses = []
-        grad = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
+        numel = sum(p.numel() for p in self.params)
+        grad = torch.zeros(numel, dtype=torch.float32)
+        own = []
         for rank, sampler in enumerate(self.samplers):
+            if reduce is not None:
+                grad = torch.zeros(numel, dtype=torch.float32)
+                own.append(grad)
             for _ in range(micro_batches_per_rank):
                 x = torch.from_numpy(sampler.micro_batch_at(self.cursor[rank]))
                 self.cursor[rank] += 1
@@ -139,7 +158,53 @@ class Model:
                 grad += torch.nn.utils.parameters_to_vector([p.grad for p in self.params]).float()
                 for p in self.params:
                     p.grad = None
+        if reduce is not None:
+            grad = reduce(own)
         return grad, len(losses), sum(losses) / len(losses)
+
+
+def quantize_blocks(values, bits: int, block_size: int):
+    """What the owner receives for ``values`` (fp32): per block, codes round_half_even(v * inv) with
+    inv = max_code / absmax, each standing for code * (absmax / max_code); an all-zero block sends 0."""
+    import torch
+    max_code = 127.0 if bits == 8 else 7.0
+    n = values.numel()
+    padded = torch.nn.functional.pad(values, (0, (-n) % block_size)).view(-1, block_size)
+    absmax = padded.abs().amax(dim=1, keepdim=True)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    scale = torch.where(absmax > 0, safe / max_code, torch.zeros_like(absmax))
+    codes = torch.round(padded * (max_code / safe))
+    return (codes * scale).view(-1)[:n]
+
+
+class CompressedReduce:
+    """The sum over ranks of their gradient sums as the owners of W equal chunks receive it: the own
+    chunk exact, every other rank's chunk quantised from its sum plus that rank's residual, the
+    residual keeping what was not sent (in ``residual_dtype``)."""
+
+    def __init__(self, numel: int, world_size: int, bits: int, block_size: int, residual_dtype):
+        import torch
+        self.world_size, self.bits, self.block_size = world_size, bits, block_size
+        self.chunk = -(-numel // world_size)
+        self.numel = numel
+        self.residuals = [torch.zeros(self.chunk * world_size, dtype=residual_dtype) for _ in range(world_size)]
+
+    def __call__(self, own_sums):
+        import torch
+        total = torch.zeros(self.chunk * self.world_size, dtype=torch.float32)
+        for rank, own in enumerate(own_sums):
+            v = torch.nn.functional.pad(own, (0, self.chunk * self.world_size - self.numel))
+            residual = self.residuals[rank]
+            for owner in range(self.world_size):
+                part = slice(owner * self.chunk, (owner + 1) * self.chunk)
+                if owner == rank:
+                    total[part] += v[part]
+                    continue
+                with_residual = v[part] + residual[part].float()
+                sent = quantize_blocks(with_residual, self.bits, self.block_size)
+                residual[part] = (with_residual - sent).to(residual.dtype)
+                total[part] += sent
+        return total[:self.numel]
 
 
 def clipped_mean(args, total, count):
@@ -164,6 +229,11 @@ def run(args):
     points = max(1, int(args.eval_points))
     to_eval = {round(i * args.updates / points) for i in range(points + 1)}
     half = args.grad_accum // 2
+    reduces = [None, None]  # one wire per half: the estimate job's and the commit's own residuals
+    if args.wire != "exact":
+        dtype = torch.bfloat16 if args.residual == "bf16" else torch.float32
+        reduces = [CompressedReduce(opt.theta.numel(), args.world_size, int(args.wire[3:]), args.block_size, dtype)
+                   for _ in range(2)]
     estimate = opt.theta.clone()  # theta~_0 = theta_0
     previous = opt.theta.clone()  # theta_{t-1} (stale-half)
     evals, estimate_error, train_losses, probes = {}, [], [], []
@@ -179,12 +249,12 @@ def run(args):
         at_first = {"zero1": opt.theta, "acco": estimate, "stale-half": previous}[args.method]
         probe = args.method == "acco" and args.probe_every > 0 and update > 0 and update % args.probe_every == 0
         cursor = list(model.cursor) if probe else None
-        first, first_count, loss_a = model.gradient_sum(at_first, half)
+        first, first_count, loss_a = model.gradient_sum(at_first, half, reduces[0])
         if probe:  # the same micro-batches again, at the committed parameters
             after_first, model.cursor = model.cursor, cursor
             at_theta, _, _ = model.gradient_sum(opt.theta, half)
             model.cursor = after_first
-        second, second_count, loss_b = model.gradient_sum(opt.theta, half)
+        second, second_count, loss_b = model.gradient_sum(opt.theta, half, reduces[1])
         if probe:
             displacement = float((estimate - opt.theta).norm())
             error = float((first - at_theta).norm()) / first_count
