@@ -256,7 +256,7 @@ assumes when ``options`` does not give it (tests/test_memory.py checks it agains
 def predicted_breakdown(optimizer_type: str, padded_numels: Union[int, Sequence[int]], world_size: int,
                         model_dtype="fp32", communication_dtype=None,
                         options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-    """The formula of docs/design.md ("Memory: bytes per parameter per rank") for one rank.
+    """The formula of docs/precision.md ("Memory: bytes per parameter per rank") for one rank.
 
     ``padded_numels``: each flat group's padded length (one int: one group); ``world_size`` W;
     ``options["accumulation_dtype"]``: the gradient accumulator's (``data_types.grad_accum_dtype``;

@@ -1,5 +1,5 @@
 """Your regime: measured compute and communication per update, each type's predicted time on each wire
-from the bounds of docs/design.md ("Where the time goes"), and the wire this engine chose from them.
+from the bounds of docs/wire.md ("Where the time goes"), and the wire this engine chose from them.
 
 Per update, T_compute is one update's forward + backward + optimizer and T_job one communication job
 on a given wire (its reduce-scatter, statistics all-reduce and all-gather, plus the quantisation
@@ -157,7 +157,7 @@ class Regime:
         text = (f"{type_name}: your regime, measured over {self.updates} updates on the {self.wire_name} wire "
                 f"(the slowest rank's figures): compute {1e3 * self.t_compute_s:.0f} ms and communication "
                 f"{1e3 * self.t_comm_s:.0f} ms per update, so communication is {self.communication_share:.0%} of a "
-                f"synchronous update{quantization}. Predicted per update from the bounds (docs/design.md, \"Where "
+                f"synchronous update{quantization}. Predicted per update from the bounds (docs/wire.md, \"Where "
                 f"the time goes\"; times against ShardedAdamW): {ratios}. Fastest: {self.fastest} (per update; the "
                 f"loss per update differs between types: docs/results.md)")
         if self.wire is not None:

@@ -670,7 +670,7 @@ def wire_lines(rows: Sequence[dict]) -> List[str]:
         else:
             text = f"{wire['wire']} throughout (fixed by its config)"
         lines.append(f"- {r['label']}: {text}.")
-    return ["Wires (docs/design.md, \"The wire\"):"] + lines if lines else []
+    return ["Wires (docs/wire.md, \"The wire\"):"] + lines if lines else []
 
 
 # ----------------------------------------------------------------------------------------------
