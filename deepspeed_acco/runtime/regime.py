@@ -154,7 +154,7 @@ class Regime:
                            for name, seconds in self.predicted_s.items())
         quantization = "".join(f"; the {name} kernels {1e3 * seconds:.1f} ms per job"
                                for name, seconds in self.quantization_s.items())
-        text = (f"{type_name}: your regime, measured over {self.updates} updates on the {self.wire_name} wire "
+        text = (f"{type_name}: your regime, measured over {self.updates} update{'' if self.updates == 1 else 's'} on the {self.wire_name} wire "
                 f"(the slowest rank's figures): compute {1e3 * self.t_compute_s:.0f} ms and communication "
                 f"{1e3 * self.t_comm_s:.0f} ms per update, so communication is {self.communication_share:.0%} of a "
                 f"synchronous update{quantization}. Predicted per update from the bounds (docs/wire.md, \"Where "
