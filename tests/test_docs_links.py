@@ -14,7 +14,7 @@ README_MAX_LINES = 300
 # math, interfaces and failure behaviour (usage in docs/usage.md, the test inventory in
 # tests/README.md); results.md holds the current figures (history in docs/results/archive/).
 # Targets: 800 and 350 lines.
-PAGE_MAX_LINES = {"docs/design.md": 766, "docs/results.md": 335}
+PAGE_MAX_LINES = {"docs/design.md": 766, "docs/results.md": 337}
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
