@@ -154,7 +154,8 @@ class Regime:
                            for name, seconds in self.predicted_s.items())
         quantization = "".join(f"; the {name} kernels {1e3 * seconds:.1f} ms per job"
                                for name, seconds in self.quantization_s.items())
-        text = (f"{type_name}: your regime, measured over {self.updates} update{'' if self.updates == 1 else 's'} on the {self.wire_name} wire "
+        updates = f"{self.updates} update{'' if self.updates == 1 else 's'}"
+        text = (f"{type_name}: your regime, measured over {updates} on the {self.wire_name} wire "
                 f"(the slowest rank's figures): compute {1e3 * self.t_compute_s:.0f} ms and communication "
                 f"{1e3 * self.t_comm_s:.0f} ms per update, so communication is {self.communication_share:.0%} of a "
                 f"synchronous update{quantization}. Predicted per update from the bounds (docs/wire.md, \"Where "
@@ -261,26 +262,28 @@ class RegimeMonitor:
         measured = measured_window(before, breakdown, steps - start_steps, compute_key=self.compute_key)
         return None if measured is None else (steps - start_steps, *measured)
 
+    def _counts(self, steps: int, breakdown: Dict[str, float]) -> Optional[tuple]:
+        """(updates, network jobs) in the window so far; None before it starts or once decided."""
+        if self._start is None or self.decided:
+            return None
+        start_steps, before = self._start
+        return steps - start_steps, breakdown.get("jobs", 0) - before.get("jobs", 0)
+
     def complete(self, steps: int, breakdown: Dict[str, float]) -> bool:
         """Whether the window is over: the same answer on every rank (update counts and the network
         jobs waited for are the same everywhere)."""
-        if not self.started(steps, breakdown) or self.decided:
+        if not self.started(steps, breakdown):
             return False
-        start_steps, before = self._start
-        jobs = breakdown.get("jobs", 0) - before.get("jobs", 0)
-        return steps - start_steps >= DECISION_UPDATES and jobs >= DECISION_JOBS
+        counts = self._counts(steps, breakdown)
+        return counts is not None and counts[0] >= DECISION_UPDATES and counts[1] >= DECISION_JOBS
 
     def early(self, steps: int, breakdown: Dict[str, float]) -> bool:
-        """Whether the window holds one update and one network job but is not over yet: the points where
-        a clear choice may be made early (the same answer on every rank, as :meth:`complete`'s)."""
-        if self._start is None or self.decided:
-            return False
-        start_steps, before = self._start
-        return steps - start_steps >= 1 and breakdown.get("jobs", 0) - before.get("jobs", 0) >= 1
+        """Whether the window holds at least one update and one network job: from there a clear choice
+        may be made before it is over (the same answer on every rank, as :meth:`complete`'s)."""
+        counts = self._counts(steps, breakdown)
+        return counts is not None and counts[0] >= 1 and counts[1] >= 1
 
     def no_network(self, steps: int, breakdown: Dict[str, float]) -> bool:
         """Whether the window is over without a single job that crossed the network (one rank)."""
-        if self._start is None or self.decided:
-            return False
-        start_steps, before = self._start
-        return steps - start_steps >= DECISION_UPDATES and breakdown.get("jobs", 0) == before.get("jobs", 0)
+        counts = self._counts(steps, breakdown)
+        return counts is not None and counts[0] >= DECISION_UPDATES and counts[1] == 0

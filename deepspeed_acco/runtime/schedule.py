@@ -246,6 +246,7 @@ class Schedule:
         self.regime_log: Optional[str] = None
         """The regime and wire message waiting for the engine to log it (once)."""
         self._wire_cost_cache: Optional[tuple] = None
+        """What each compressed wire costs on this rank, measured once (:meth:`_wire_costs`)."""
 
     # ---- synchronous warm-up ------------------------------------------------------------------
     @property
@@ -602,7 +603,7 @@ class Schedule:
             return
         updates, t_compute, t_comm = monitor.window(steps, self.time.snapshot(wait_for_device=True))
         compressed = list(wires.COMPRESSED)
-        quantization, extra, fits = self._wire_costs(compressed)
+        quantization, extra, fits = self._wire_costs()
         agreed = wires.agree(self.control, wires.WireDecision(t_compute_s=t_compute, t_comm_s=t_comm,
                                                               quantization_s=quantization, extra_bytes=extra,
                                                               fits=fits), compressed)
@@ -625,7 +626,7 @@ class Schedule:
         monitor.logged = regime
         self.regime_log = regime.describe(self.type_name)
 
-    def _wire_costs(self, compressed) -> tuple:
+    def _wire_costs(self) -> tuple:
         """(quantisation seconds, extra bytes, fits in memory) per compressed wire on this rank, measured
         once (the early checks of the measurement window reuse them)."""
         if self._wire_cost_cache is None:
@@ -633,7 +634,7 @@ class Schedule:
             free = wires.free_memory_bytes(self.device)
             numels = [flat.padded_numel for flat in self.flats]
             members = self.network_communicator().world_size
-            for name in compressed:
+            for name in wires.COMPRESSED:
                 bits = wires.bits_of(name)
                 quantization[name] = wires.quantization_job_s(bits, self.block_size, numels, members, self.device)
                 extra[name] = self.wire_extra_bytes(bits)

@@ -134,12 +134,11 @@ def choose(predicted_s: Dict[str, float], candidates: Sequence[str], *, fits: Op
 
 
 def clear_early(predicted_s: Dict[str, float], candidates: Sequence[str], *,
-                fits: Optional[Dict[str, bool]] = None, margin: Optional[float] = None) -> bool:
+                fits: Optional[Dict[str, bool]] = None, margin: float = EARLY_MARGIN) -> bool:
     """Whether figures measured before the window's end already decide: the starting wire (the first
     candidate) predicted at least ``margin`` (:data:`EARLY_MARGIN`) times
     slower than the fastest wire that fits. Keeping the starting wire is never decided early: staying on
     it costs nothing while the window runs."""
-    margin = EARLY_MARGIN if margin is None else margin
     fits = fits or {}
     usable = [wire for wire in candidates[1:] if fits.get(wire, True)]
     return bool(usable) and predicted_s[candidates[0]] >= margin * min(predicted_s[wire] for wire in usable)
