@@ -60,6 +60,15 @@ def test_only_a_clear_call_is_made_before_the_window_ends():
                                 fits={"int8": False, "int4": False})
 
 
+def test_the_probe_is_a_sixteenth_of_the_job_within_its_limits():
+    # A 13.2 MB job per rank (CO2's fp32 averaging of 3.3M values on 2 ranks): 1/16 of it, sent as the
+    # (W - 1) / W of a reduce-scatter and an all-gather of fp32 values.
+    values = wires.probe_values(13.2e6, 2)
+    assert values % 2 == 0 and values * 8 * 0.5 == pytest.approx(13.2e6 / 16, abs=8)
+    assert wires.probe_values(1e3, 4) * 8 * 0.75 == pytest.approx(wires.PROBE_MIN_BYTES, abs=32)
+    assert wires.probe_values(1e12, 8) * 8 * 7 / 8 == pytest.approx(wires.PROBE_MAX_BYTES, abs=64)
+
+
 def test_a_wire_that_does_not_fit_in_memory_is_not_taken():
     own, candidates = _own("ACCO", 0.4, 1.0)
     wire, reason, refused = wires.choose(own, candidates, fits={"int8": False, "int4": False})
@@ -193,17 +202,33 @@ def _flat(engine):
     return torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
 
 
-def _with_figures(figures):
-    """Every rank's measurement window replaced by (updates, T_compute, T_comm) of ``figures[rank]``."""
-    import torch.distributed as dist
-    from deepspeed_acco.runtime import regime
+_ORIGINAL = {}
 
-    original = regime.RegimeMonitor.window
+
+def _with_figures(figures):
+    """Every rank's measurement window replaced by (updates, T_compute, T_comm) of ``figures[rank]``, and
+    so are the compute so far and the probe's job time (CO2 before its first averaging)."""
+    import torch.distributed as dist
+    from deepspeed_acco.runtime import regime, schedule
+
+    original = _ORIGINAL.setdefault("window", regime.RegimeMonitor.window)
+    compute = _ORIGINAL.setdefault("compute_so_far", regime.RegimeMonitor.compute_so_far)
+    _ORIGINAL.setdefault("probe", schedule.Schedule._probe_job_seconds)
 
     def window(self, steps, breakdown):
         measured = original(self, steps, breakdown)
         return None if measured is None else (measured[0], *figures[dist.get_rank()])
+
+    def compute_so_far(self, steps, breakdown):
+        measured = compute(self, steps, breakdown)
+        return None if measured is None else (measured[0], figures[dist.get_rank()][0])
+
+    def probe(self, communicator):
+        seconds, sent = _ORIGINAL["probe"](self, communicator)  # the real probe runs; its figure is replaced
+        return figures[dist.get_rank()][1], sent
     regime.RegimeMonitor.window = window
+    regime.RegimeMonitor.compute_so_far = compute_so_far
+    schedule.Schedule._probe_job_seconds = probe
 
 
 def _wire_ranks(rank, world_size, directory):
@@ -242,8 +267,26 @@ def _wire_ranks(rank, world_size, directory):
         _with_figures({0: figures, 1: figures})
         engine = _engine(kind)
         _train(engine, 12, rank, world_size)
-        out[key] = (engine.wire, _flat(engine), engine.regime().wire["decided_at_update"])
+        out[key] = (engine.wire, _flat(engine), engine.regime().wire["decided_at_update"],
+                    engine.regime().wire["probe_bytes"], engine.regime().wire["reason"])
         engine.destroy()
+    # CO2 on this loopback: the real probe's time, scaled to its fp32 averaging, is what it would decide by.
+    from deepspeed_acco.runtime import regime, schedule
+    regime.RegimeMonitor.window = _ORIGINAL["window"]
+    regime.RegimeMonitor.compute_so_far = _ORIGINAL["compute_so_far"]
+    schedule.Schedule._probe_job_seconds = _ORIGINAL["probe"]
+    engine = _engine("CO2")
+    _train(engine, 1, rank, world_size)
+    schedule_ = engine.schedule
+    members = schedule_.network_communicator().world_size
+    job_bytes = sum(f.padded_numel for f in schedule_.flats) * 8.0 * (members - 1) / members
+    values = wires.probe_values(job_bytes, members)
+    probe_s = wires.probe_link(schedule_.network_communicator(), values, torch.device("cpu"))
+    t_job, sent = schedule_._probe_job_seconds(schedule_.network_communicator())
+    out["probe"] = (probe_s, t_job, sent, values, job_bytes)
+    _train(engine, 11, rank, world_size, start=2)
+    out["probe_decision"] = engine.regime().wire
+    engine.destroy()
     # Memory: rank 0 cannot afford the compressed buffers, so neither rank takes them.
     _with_figures({0: (0.4, 1.0), 1: (0.4, 1.0)})
     if rank == 0:
@@ -272,8 +315,16 @@ def test_ranks_agree_on_the_wire_allocate_it_lazily_and_resume_on_it(tmp_path):
         assert torch.equal(out["resumed"], out["continued"])  # the resumed run continues bitwise
         assert out["acco_slow"][0] == "int4" and out["dpu"][0] == "int8" and out["co2"][0] == "int8"
         # Clear calls (the starting wire predicted >= 1.25x the fastest) are made one update and one
-        # network job into the window: ACCO and DPU at update 2, CO2 once its first averaging is in.
-        assert out["acco_slow"][2] == 2 and out["dpu"][2] == 2 and 2 < out["co2"][2] < 5
+        # network job into the window: ACCO and DPU at update 2; CO2, whose first job is its averaging
+        # at update 2 (local_steps 2), before that job, from the compute so far and a probe of the link.
+        assert out["acco_slow"][2] == 2 and out["dpu"][2] == 2 and out["co2"][2] == 2
+        assert out["acco_slow"][3] == 0 and out["co2"][3] >= wires.PROBE_MIN_BYTES
+        assert "probe of the link before the first job" in out["co2"][4]
+        # The real probe: timed, scaled by the job's bytes over its own.
+        probe_s, t_job, sent, values, job_bytes = out["probe"]
+        assert 0 < probe_s < 5 and sent == int(values * 8 * 0.5) and 0 < t_job < 60
+        # On this loopback the fp32 averaging hides (no clear call from the probe): the jobs decide, later.
+        assert out["probe_decision"]["probe_bytes"] == 0 and out["probe_decision"]["decided_at_update"] > 2
         memory_wire, refused, reason, memory_bytes = out["memory"]
         assert memory_wire == "fp32" and refused == ["int8", "int4"] and "do not fit in memory" in reason
         assert memory_bytes == 0

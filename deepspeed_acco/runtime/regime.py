@@ -202,8 +202,14 @@ def measured_window(before: Dict[str, float], after: Dict[str, float], updates: 
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     t_comm = sum(delta(f"job_{name}_s") for name in COMMUNICATION_PHASES) / jobs
-    t_compute = (delta(compute_key) + delta("job_update_s")) / updates
-    return t_compute, t_comm
+    return measured_compute(before, after, updates, compute_key=compute_key), t_comm
+
+
+def measured_compute(before: Dict[str, float], after: Dict[str, float], updates: int, *,
+                     compute_key: str = "compute") -> float:
+    """T_compute between two snapshots ``updates`` apart: the compute part and the jobs' update phase."""
+    return ((after.get(compute_key, 0.0) - before.get(compute_key, 0.0))
+            + (after.get("job_update_s", 0.0) - before.get("job_update_s", 0.0))) / updates
 
 
 def measure(before: Dict[str, float], after: Dict[str, float], updates: int, *, round_bytes: float,
@@ -261,6 +267,15 @@ class RegimeMonitor:
         start_steps, before = self._start
         measured = measured_window(before, breakdown, steps - start_steps, compute_key=self.compute_key)
         return None if measured is None else (steps - start_steps, *measured)
+
+    def compute_so_far(self, steps: int, breakdown: Dict[str, float]) -> Optional[tuple]:
+        """(updates, T_compute) in the window so far, whether or not a job has run (CO2 before its
+        first averaging, :meth:`~deepspeed_acco.runtime.schedule.Schedule.decide_wire_from_probe`);
+        None before the window holds an update or once decided."""
+        counts = self._counts(steps, breakdown)
+        if counts is None or counts[0] < 1:
+            return None
+        return counts[0], measured_compute(self._start[1], breakdown, counts[0], compute_key=self.compute_key)
 
     def _counts(self, steps: int, breakdown: Dict[str, float]) -> Optional[tuple]:
         """(updates, network jobs) in the window so far; None before it starts or once decided."""

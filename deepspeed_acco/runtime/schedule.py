@@ -602,6 +602,45 @@ class Schedule:
         if not complete and not (self.wire_mode == wires.AUTO and monitor.early(steps, breakdown)):
             return
         updates, t_compute, t_comm = monitor.window(steps, self.time.snapshot(wait_for_device=True))
+        self._decide(steps, updates, t_compute, t_comm, final=complete)
+
+    def decide_wire_from_probe(self) -> None:
+        """Under "auto", before the first job that crosses the network when no job could be measured
+        yet (CO2's first averaging, which may be several seconds on a slow link): T_compute from the
+        window's updates so far, T_comm from a timed reduce-scatter and all-gather of a sixteenth of the
+        job's bytes (:func:`~deepspeed_acco.runtime.wire.probe_link`) scaled to the whole job. Only a
+        clear call is made from it (:func:`~deepspeed_acco.runtime.wire.clear_early`); otherwise the
+        first jobs decide as usual. Every rank calls it at the same point."""
+        monitor = self.regime_monitor
+        communicator = self.network_communicator()
+        if (self.wire_mode != wires.AUTO or monitor.decided or self.running is not None
+                or communicator.world_size == 1):
+            return
+        steps = self.progress.global_steps
+        compute = monitor.compute_so_far(steps, self.time.snapshot(wait_for_device=True))
+        if compute is None:
+            return
+        updates, t_compute = compute
+        t_comm, sent = self._probe_job_seconds(communicator)
+        self._decide(steps, updates, t_compute, t_comm, final=False, probe_bytes=sent)
+
+    def _probe_job_seconds(self, communicator: Communicator) -> tuple:
+        """(one job's collectives on this wire predicted from a probe of the link, bytes the probe sent
+        per rank). The probe's time counts as this boundary's wait for the link."""
+        members = communicator.world_size
+        job_values = sum(flat.padded_numel for flat in self.flats)
+        job_bytes = job_values * self.measured_round_bytes() * (members - 1) / members
+        values = wires.probe_values(job_bytes, members)
+        seconds = wires.probe_link(communicator, values, self.device)
+        self._boundary_wait_s += seconds
+        sent = values * 8.0 * (members - 1) / members
+        return seconds * job_bytes / sent, int(sent)
+
+    def _decide(self, steps: int, updates: int, t_compute: float, t_comm: float, *, final: bool,
+                probe_bytes: int = 0) -> None:
+        """Agree on the figures, predict, and under "auto" choose the wire (``final``: the window is
+        over; otherwise only a clear call is made); log the regime once decided."""
+        monitor = self.regime_monitor
         compressed = list(wires.COMPRESSED)
         quantization, extra, fits = self._wire_costs()
         agreed = wires.agree(self.control, wires.WireDecision(t_compute_s=t_compute, t_comm_s=t_comm,
@@ -611,14 +650,16 @@ class Schedule:
         if self.wire_mode == wires.AUTO:
             candidates = wires_of(self.type_name, self.precision)
             own = {name: regime.predicted_s[f"{self.type_name} ({name})"] for name in candidates}
-            if not complete and not wires.clear_early(own, candidates, fits=agreed.fits):
+            if not final and not wires.clear_early(own, candidates, fits=agreed.fits):
                 return  # a closer call: measure the whole window (every rank has the same figures)
             name, reason, refused = wires.choose(own, candidates, fits=agreed.fits)
+            if probe_bytes:
+                reason += f" (T_comm from a {probe_bytes / 2**20:.2f} MiB probe of the link before the first job)"
             choice = wires.WireChoice(wire=name, reason=reason, decided_at_update=steps, measured_wire=self.wire_name,
                                       t_compute_s=agreed.t_compute_s, t_comm_s=agreed.t_comm_s, predicted_s=own,
                                       quantization_s=agreed.quantization_s, extra_bytes=agreed.extra_bytes,
                                       refused_for_memory=refused, type_name=self.type_name,
-                                      num_parameters=sum(flat.numel for flat in self.flats))
+                                      num_parameters=sum(flat.numel for flat in self.flats), probe_bytes=probe_bytes)
             if name != self.wire_name:
                 self.switch_wire(name)
             self.wire_choice = choice

@@ -43,6 +43,13 @@ into it, when the figures so far predict the starting wire at least this much sl
 one: every further update on it would cost a quarter or more. Closer calls wait for the whole window
 (docs/wire.md, "The wire")."""
 
+PROBE_SHARE = 1 / 16
+"""CO2 under "auto" times one reduce-scatter and all-gather of this share of its first averaging's bytes
+before that averaging (:func:`probe_link`), between :data:`PROBE_MIN_BYTES` and :data:`PROBE_MAX_BYTES`
+per rank."""
+PROBE_MIN_BYTES = 512 << 10
+PROBE_MAX_BYTES = 4 << 20
+
 MEMORY_HEADROOM = 0.10
 """A wire's new buffers must fit in the free memory with this share of it to spare."""
 
@@ -80,6 +87,9 @@ class WireChoice:
     """Wires that would have been faster but did not fit in memory."""
     type_name: str = ""
     num_parameters: int = 0
+    probe_bytes: int = 0
+    """Bytes per rank of the probe of the link T_comm came from (CO2 before its first averaging); 0 where
+    the jobs measured it."""
 
     @property
     def message(self) -> str:
@@ -185,6 +195,40 @@ def quantization_job_s(bits: int, block_size: int, padded_numels: Sequence[int],
         per_run = (time.perf_counter() - began) / repeats
     # One run handles n values in each of the four kernels.
     return per_run / (4 * n) * quantized_values_per_job(padded_numels, world_size)
+
+
+def probe_values(job_bytes: float, world_size: int) -> int:
+    """fp32 values of the probe for a job that sends ``job_bytes`` per rank: its reduce-scatter and
+    all-gather send (W - 1) / W of 8 bytes per value, :data:`PROBE_SHARE` of the job, clamped to
+    [:data:`PROBE_MIN_BYTES`, :data:`PROBE_MAX_BYTES`], a multiple of ``world_size``."""
+    sent = min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, job_bytes * PROBE_SHARE))
+    values = int(sent / (8.0 * (world_size - 1) / world_size))
+    return max(world_size, values - values % world_size)
+
+
+def probe_link(communicator, values: int, device: torch.device) -> float:
+    """Seconds one reduce-scatter and all-gather of ``values`` fp32 values take on ``communicator`` (the
+    collectives a job runs), after a small untimed pair that lines the ranks up and opens the
+    connections. Every member calls it at the same point, with no job running.
+
+    A link that lets a burst through at once (a token bucket, as ``tc tbf``) makes the probe look
+    faster than a whole job: the error only keeps the uncompressed wire longer, since keeping it is
+    never decided early (:func:`clear_early`)."""
+    world_size = communicator.world_size
+    small = torch.zeros(world_size * 256, dtype=torch.float32, device=device)
+    probe = torch.zeros(values, dtype=torch.float32, device=device)
+    cuda = device.type == "cuda"
+    for tensor, timed in ((small, False), (probe, True)):
+        shard = torch.empty(tensor.numel() // world_size, dtype=torch.float32, device=device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        communicator.reduce_scatter(shard, tensor)
+        communicator.all_gather(tensor, shard)
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - began
+    return seconds
 
 
 def quantized_values_per_job(padded_numels: Sequence[int], world_size: int) -> int:

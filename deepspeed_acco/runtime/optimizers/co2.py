@@ -438,6 +438,8 @@ class CO2(Schedule):
         outer = None if eager else self._wait_outer()  # eager mode merged J_{k-1} already
         self._log_skip(outer)
         self.decide_wire()  # no job runs here under the paper's rule, which waits at every boundary
+        if self.outer_rounds == 0:
+            self.decide_wire_from_probe()  # the first averaging's wire, from a probe of the link
         displacement_sq = torch.zeros((), dtype=torch.float64, device=self.flats[0].device)
         with torch.no_grad():
             for flat, state, shard in zip(self.flats, self.outers, self.shards):
