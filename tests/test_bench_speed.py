@@ -60,6 +60,19 @@ def test_bounds_follow_the_wire_chosen_during_the_run_and_co2_pays_once_per_roun
     assert wire_comm_bytes("acco", "int8", "bf16") == (pytest.approx(1 + 4 / 128),) * 2
     assert wire_comm_bytes("acco", "bf16", "bf16") == (2.0, 2.0)
     assert wire_comm_bytes("co2", "fp32", "bf16") == (4.0, 4.0)
+    # A wire chosen before the first job (CO2's probe of the link) bounds the whole run; one chosen
+    # after jobs ran switches at its update.
+    from types import SimpleNamespace
+    from deepspeed_acco.bench.reporting.summary import _run_comm
+    args = SimpleNamespace(precision="bf16")
+    row = dict(method="co2", updates=50, wire={"start": "fp32", "wire": "int4", "from_update": 4,
+                                               "before_first_job": True})
+    t_comm, sync = _run_comm(args, row, 3_000_000, 2, 30e6, 2)
+    int4 = wire_comm_bytes("co2", "int4", "bf16")
+    assert t_comm == pytest.approx(2 * 0.5 * 3e6 * int4[0] * 8 / 30e6) and sync["switch_update"] == 0
+    row["wire"]["before_first_job"] = False
+    t_fp32, sync = _run_comm(args, row, 3_000_000, 2, 30e6, 2)
+    assert t_fp32 == pytest.approx(t_comm * 4.0 / int4[0]) and sync["switch_update"] == 4
 
 
 def _row(method, ms, ttt=None, wire=None):
@@ -85,3 +98,5 @@ def test_the_speedup_over_deepspeed_is_our_engine_times_the_overlap():
     lines = wire_lines(rows)
     assert "- ShardedAdamW: bf16 throughout (fixed by its config)." in lines
     assert "- ACCO: bf16 for its first 5 updates, then int8 (chosen: r)." in lines
+    rows[3]["wire"] = {"start": "fp32", "wire": "int4", "from_update": 4, "reason": "r", "before_first_job": True}
+    assert "- CO2: int4 from its first job on (chosen at update 4, before that job: r)." in wire_lines(rows)

@@ -176,14 +176,16 @@ class RunResult:
     @property
     def wire(self) -> Optional[dict]:
         """What our engine's wire was (runtime/wire.py): ``start`` (the measured wire), ``wire`` (the one
-        of the rest of the run), ``from_update`` and ``reason`` of an automatic choice; None for DeepSpeed's
-        engine and runs recorded before the choice existed."""
+        of the rest of the run), ``from_update`` and ``reason`` of an automatic choice, ``before_first_job``
+        where it was made before any job ran (CO2's probe of the link); None for DeepSpeed's engine and
+        runs recorded before the choice existed."""
         regime = self._first.get("regime") or {}
         if not regime or "wire_now" not in regime:
             return None
         choice = regime.get("wire") or {}
         return dict(start=regime.get("measured_wire"), wire=choice.get("wire", regime.get("wire_now")),
                     from_update=choice.get("decided_at_update"), reason=choice.get("reason"),
+                    before_first_job=bool(choice.get("probe_bytes")),
                     predicted_s=choice.get("predicted_s") or {}, extra_bytes=(choice.get("extra_bytes") or {}).get(
                         choice.get("wire"), 0))
 
@@ -662,7 +664,10 @@ def wire_lines(rows: Sequence[dict]) -> List[str]:
         wire = r.get("wire")
         if not wire:
             continue
-        if wire.get("from_update") is not None and wire["wire"] != wire.get("start"):
+        if wire.get("before_first_job"):
+            text = (f"{wire['wire']} from its first job on (chosen at update {wire['from_update']}, before that "
+                    f"job: {wire.get('reason')})")
+        elif wire.get("from_update") is not None and wire["wire"] != wire.get("start"):
             text = (f"{wire['start']} for its first {wire['from_update']} updates, then {wire['wire']} (chosen: "
                     f"{wire.get('reason')})")
         elif wire.get("from_update") is not None:

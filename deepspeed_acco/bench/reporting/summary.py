@@ -332,13 +332,18 @@ def _noise_lines(rows) -> List[str]:
 
 def _run_comm(args, row, n_params: int, world: int, link_bps: float, nodes: int, backend: str = "gloo"):
     """(T_comm of one job of the run at its start, the bound's keywords): the wire the run's engine
-    chose during the run (``row["wire"]``) switches T_comm from the update it was chosen at."""
+    chose during the run (``row["wire"]``) switches T_comm from the update it was chosen at; a wire
+    chosen before the first job (CO2's probe of the link) is the run's from the start."""
     from . import report
     t_comm = report.method_comm_seconds(row["method"], n_params, world, link_bps, args.precision, nodes,
                                         backend=backend)
     sync = dict(sync_updates=row.get("warmup_sync_updates") or 0, updates=row["updates"])
     wire = row.get("wire") or {}
-    if wire.get("from_update") is not None and wire.get("start") and wire.get("wire") != wire.get("start"):
+    if wire.get("before_first_job") and wire.get("wire") != wire.get("start"):
+        grad, param = report.wire_comm_bytes(row["method"], wire["wire"], args.precision)
+        t_comm = report.comm_round_seconds(n_params, world, link_bps, grad, param_bytes=param, nodes=nodes)
+        sync.update(switch_update=0, t_comm_after=t_comm)
+    elif wire.get("from_update") is not None and wire.get("start") and wire.get("wire") != wire.get("start"):
         grad, param = report.wire_comm_bytes(row["method"], wire["start"], args.precision)
         t_comm = report.comm_round_seconds(n_params, world, link_bps, grad, param_bytes=param, nodes=nodes)
         grad, param = report.wire_comm_bytes(row["method"], wire["wire"], args.precision)
