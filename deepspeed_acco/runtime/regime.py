@@ -270,7 +270,7 @@ class RegimeMonitor:
 
     def compute_so_far(self, steps: int, breakdown: Dict[str, float]) -> Optional[tuple]:
         """(updates, T_compute) in the window so far, whether or not a job has run (CO2 before its
-        first averaging, :meth:`~deepspeed_acco.runtime.schedule.Schedule.decide_wire_from_probe`);
+        first averaging, :meth:`~deepspeed_acco.runtime.wire_schedule.WireChoosing.decide_wire_from_probe`);
         None before the window holds an update or once decided."""
         counts = self._counts(steps, breakdown)
         if counts is None or counts[0] < 1:
