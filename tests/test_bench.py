@@ -195,6 +195,10 @@ def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
     check_args(defaults, ["zero1", "co2"])
     plain = worker_args(defaults, "co2", "/tmp/x")
     assert "--outer-lr" not in plain and "--group-size" not in plain and "--target-loss" not in plain
+    # Denormals are flushed in every rank unless the bench is told to keep them.
+    assert "--keep-denormals" not in argv and not worker.keep_denormals
+    args.keep_denormals = True
+    assert worker_parse(worker_args(args, "zero1", "/tmp/x")).keep_denormals
     assert "--group-size" not in worker_args(args, "acco", "/tmp/x")
     for bad in ("0", "-1", "fast"):
         with pytest.raises(SystemExit):

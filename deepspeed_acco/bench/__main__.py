@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training precision (bf16: DeepSpeed's bf16 section, bf16 model, fp32 masters and optimizer "
                         "states); auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with "
                         "AVX512-BF16 or AMX), else fp32 (docs/bench.md)")
+    g.add_argument("--keep-denormals", action="store_true",
+                   help="keep denormal floats in every rank (default: flushed to zero, torch.set_flush_denormal: "
+                        "without it the CPU's compute per update grew 1.6x over 240 updates; docs/bench.md)")
     g.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate (1e-3: the best of 5e-4, 1e-3, 2e-3, 3e-3 for DeepSpeed ZeRO-1 at the "
                         "fp32 defaults of 2026-11-29)")

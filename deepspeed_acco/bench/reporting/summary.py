@@ -138,7 +138,9 @@ def finish(args, out, results, failed, meta, rates) -> None:
     md.append(f"Machine: {mi['cpu']}, {mi['cores']} cores, {mi['mem_gib']} GiB; {mi['os']}; Python {mi['python']}, "
               f"torch {mi['torch']}, deepspeed {mi['deepspeed']}, transformers {mi['transformers']}; "
               f"{args.threads} thread(s) per rank, {args.nodes} node(s) x {args.ranks_per_node} rank(s), launcher "
-              f"{args.launcher}.\n")
+              f"{args.launcher}; denormals "
+              f"{'kept (--keep-denormals)' if getattr(args, 'keep_denormals', False) else 'flushed to zero'} in "
+              f"every rank.\n")
     md.append(f"Model: GPT-Neo '{args.model}' ({n_params:,} parameters), ctx {args.ctx}, {args.precision}; "
               f"micro-batch {args.micro_batch} x accumulation {args.grad_accum} x {world} ranks; {args.updates} "
               f"updates; lr {args.lr:g}{_schedule_note(args)}; seeds {', '.join(map(str, args.seeds))}; data: {meta['corpus']}.\n")

@@ -20,6 +20,8 @@ def worker_args(args, method: str, run_dir: str, *, seed: int = 0, target_loss: 
            "--beta1", repr(args.beta1),
            "--clip", repr(args.clip), "--seed", str(seed),
            "--cache-dir", args.cache_dir or "", "--val-windows", str(args.val_windows), "--threads", str(args.threads)]
+    if getattr(args, "keep_denormals", False):
+        out += ["--keep-denormals"]
     if args.local_steps is not None:
         out += ["--local-steps", str(args.local_steps)]
     if args.warmup_sync_updates is not None:

@@ -106,6 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default="default")
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--keep-denormals", action="store_true",
+                   help="keep denormal floats (default: flushed to zero, as every method of a bench run is)")
     p.add_argument("--communication-timeout-s", type=float, default=None,
                    help="our methods: the engine's communication_timeout_s (default: the engine's)")
     p.add_argument("--save-every", type=int, default=0,
@@ -344,6 +346,7 @@ def run(args) -> dict:
 
     t_proc = time.perf_counter()
     torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(not args.keep_denormals)  # the same for every method (docs/bench.md)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     node = int(os.environ.get("GROUP_RANK", os.environ.get("CROSS_RANK", 0)))
     slow = parse_slow_rank(args.slow_rank)
