@@ -8,7 +8,7 @@ CO2 local replica). Frozen parameters and buffers come from the module states. T
 a state dict that ``model.load_state_dict`` accepts.
 
 Every file is read with ``torch.load(weights_only=True)`` and the allowlist of
-:func:`deepspeed_acco.runtime.checkpoint.checkpoint_classes`: a file that holds anything else (for
+:func:`deepspeed_acco.runtime.checkpoint_files.checkpoint_classes`: a file that holds anything else (for
 example the objects of a ``client_state``) is refused unless those are named trusted
 (``trusted_classes=`` or ``--trusted-class``); nothing in a refused file runs.
 """

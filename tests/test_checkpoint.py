@@ -218,12 +218,12 @@ def _save_then_die(rank, world_size, port, directory):
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    from deepspeed_acco.runtime import checkpoint
+    from deepspeed_acco.runtime import checkpoint_files
     engine, model = new_engine(make_config("ACCO", 2))
     feed(engine, rank, 0, 6)
     engine.save_checkpoint(directory, tag="good")
     feed(engine, rank, 6, 12)
-    original = checkpoint._atomic_save
+    original = checkpoint_files.atomic_save
 
     def crash_midway(obj, path):
         with open(path + ".partial", "wb") as handle:
@@ -232,7 +232,7 @@ def _save_then_die(rank, world_size, port, directory):
             os.kill(os.getpid(), 9)  # killed while writing
         original(obj, path)
 
-    checkpoint._atomic_save = crash_midway
+    checkpoint_files.atomic_save = crash_midway
     engine.save_checkpoint(directory, tag="interrupted")
     os._exit(0)
 

@@ -573,13 +573,13 @@ def test_replacing_a_tag_without_renameat2_recovers_the_retired_directory(tmp_pa
     """Where the filesystem cannot exchange two directories atomically, a save retires the old
     directory first; a crash before the new one is in place leaves the retired one, which loading
     then uses (layer 1: no processes, the directory moves only)."""
-    from deepspeed_acco.runtime import checkpoint
+    from deepspeed_acco.runtime import checkpoint_files
     save_dir = str(tmp_path)
     for name, marker in (("tag", "old"), (".tag.staging", "new")):
         os.makedirs(os.path.join(save_dir, name))
-        with open(os.path.join(save_dir, name, checkpoint.MODEL_STATES_NAME), "w") as handle:
+        with open(os.path.join(save_dir, name, checkpoint_files.MODEL_STATES_NAME), "w") as handle:
             handle.write(marker)
-    monkeypatch.setattr(checkpoint, "_exchange_directories", lambda first, second: False)
+    monkeypatch.setattr(checkpoint_files, "exchange_directories", lambda first, second: False)
     renames = {"count": 0}
     real_rename = os.rename
 
@@ -589,27 +589,27 @@ def test_replacing_a_tag_without_renameat2_recovers_the_retired_directory(tmp_pa
             raise KeyboardInterrupt("crash between retiring the old directory and renaming the new one")
         real_rename(source, destination)
 
-    monkeypatch.setattr(checkpoint.os, "rename", crash_on_second_rename)
-    final, retired = os.path.join(save_dir, "tag"), checkpoint._retired_name(save_dir, "tag")
+    monkeypatch.setattr(checkpoint_files.os, "rename", crash_on_second_rename)
+    final, retired = os.path.join(save_dir, "tag"), checkpoint_files.retired_name(save_dir, "tag")
     with pytest.raises(KeyboardInterrupt):
-        checkpoint._replace_directory(os.path.join(save_dir, ".tag.staging"), final, retired)
+        checkpoint_files.replace_directory(os.path.join(save_dir, ".tag.staging"), final, retired)
     assert not os.path.exists(final)
-    resolved = checkpoint._resolve_directory(save_dir, "tag")
-    with open(os.path.join(resolved, checkpoint.MODEL_STATES_NAME)) as handle:
+    resolved = checkpoint_files.resolve_directory(save_dir, "tag")
+    with open(os.path.join(resolved, checkpoint_files.MODEL_STATES_NAME)) as handle:
         assert handle.read() == "old", "the interrupted save must leave the previous checkpoint loadable"
     # Without the crash the new directory replaces the old one and nothing is left behind.
-    monkeypatch.setattr(checkpoint.os, "rename", real_rename)
-    checkpoint._replace_directory(os.path.join(save_dir, ".tag.staging"), final, retired)
-    with open(os.path.join(checkpoint._resolve_directory(save_dir, "tag"), checkpoint.MODEL_STATES_NAME)) as handle:
+    monkeypatch.setattr(checkpoint_files.os, "rename", real_rename)
+    checkpoint_files.replace_directory(os.path.join(save_dir, ".tag.staging"), final, retired)
+    with open(os.path.join(checkpoint_files.resolve_directory(save_dir, "tag"), checkpoint_files.MODEL_STATES_NAME)) as handle:
         assert handle.read() == "new"
     assert not os.path.exists(retired)
 
 
 def test_renameat2_exchange_swaps_two_directories(tmp_path):
-    from deepspeed_acco.runtime import checkpoint
+    from deepspeed_acco.runtime import checkpoint_files
     for name in ("a", "b"):
         os.makedirs(tmp_path / name)
         (tmp_path / name / "marker").write_text(name)
-    if not checkpoint._exchange_directories(str(tmp_path / "a"), str(tmp_path / "b")):
+    if not checkpoint_files.exchange_directories(str(tmp_path / "a"), str(tmp_path / "b")):
         pytest.skip("this filesystem or OS has no renameat2(RENAME_EXCHANGE); saves use the retire-and-rename path")
     assert (tmp_path / "a" / "marker").read_text() == "b" and (tmp_path / "b" / "marker").read_text() == "a"

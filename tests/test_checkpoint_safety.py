@@ -459,13 +459,13 @@ def _leftovers(root):
 
 def _failed_save_worker(rank, world_size, root):
     import torch.distributed as dist
-    from deepspeed_acco.runtime import checkpoint
+    from deepspeed_acco.runtime import checkpoint_files
     config = make_config("ACCO", communication_timeout_s=60)
     engine, model = new_engine(config)
     feed(engine, model, rank, 0, SAVE_AT)
     engine.save_checkpoint(root, tag="good")
     results = {}
-    original_save, original_replace, original_makedirs = torch.save, checkpoint._replace_directory, os.makedirs
+    original_save, original_replace, original_makedirs = torch.save, checkpoint_files.replace_directory, os.makedirs
 
     def disk_full(obj, handle, *args, **kwargs):
         handle.write(b"half a file")
@@ -476,7 +476,7 @@ def _failed_save_worker(rank, world_size, root):
 
     failures = [("disk full while writing", "full", world_size - 1, lambda: setattr(torch, "save", disk_full)),
                 ("failure while publishing", "publish", 0,
-                 lambda: setattr(checkpoint, "_replace_directory", read_only)),
+                 lambda: setattr(checkpoint_files, "replace_directory", read_only)),
                 ("failure while preparing", "prepare", 0, lambda: setattr(os, "makedirs", read_only))]
     for name, tag, failing_rank, install in failures:
         if rank == failing_rank:
@@ -488,7 +488,7 @@ def _failed_save_worker(rank, world_size, root):
         except (OSError, RuntimeError) as caught:
             error = f"{type(caught).__name__}: {caught} {getattr(caught, '__notes__', '')}"
         seconds = time.monotonic() - start
-        torch.save, checkpoint._replace_directory, os.makedirs = original_save, original_replace, original_makedirs
+        torch.save, checkpoint_files.replace_directory, os.makedirs = original_save, original_replace, original_makedirs
         dist.barrier()
         results[name] = dict(error=error, seconds=seconds, leftovers=_leftovers(root),
                              latest=open(os.path.join(root, "latest")).read(), published=os.path.exists(
