@@ -25,6 +25,7 @@ def normalize_args(args):
     d.setdefault("target_loss", None)
     d.setdefault("max_updates", d["updates"])
     d.setdefault("eval_every", 0)
+    d.setdefault("keep_denormals", True)  # before 2026-12-06 20:00 UTC every rank kept them
     return args
 
 
@@ -139,7 +140,7 @@ def finish(args, out, results, failed, meta, rates) -> None:
               f"torch {mi['torch']}, deepspeed {mi['deepspeed']}, transformers {mi['transformers']}; "
               f"{args.threads} thread(s) per rank, {args.nodes} node(s) x {args.ranks_per_node} rank(s), launcher "
               f"{args.launcher}; denormals "
-              f"{'kept (--keep-denormals)' if getattr(args, 'keep_denormals', False) else 'flushed to zero'} in "
+              f"{'kept' if getattr(args, 'keep_denormals', False) else 'flushed to zero'} in "
               f"every rank.\n")
     md.append(f"Model: GPT-Neo '{args.model}' ({n_params:,} parameters), ctx {args.ctx}, {args.precision}; "
               f"micro-batch {args.micro_batch} x accumulation {args.grad_accum} x {world} ranks; {args.updates} "
