@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import checkpoint_files
-from .checkpoint_files import (LATEST_NAME, MODEL_STATES_NAME, TRUST_HINT, check_tag, checkpoint_classes,  # noqa: F401
+from .checkpoint_files import (LATEST_NAME, MODEL_STATES_NAME, check_tag, checkpoint_classes,  # noqa: F401
                                first_line, load_file, read_latest)
 from .flat import ShardGeometry, aligned_geometry, deepspeed_geometry
 from .progress import Progress

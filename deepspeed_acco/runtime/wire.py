@@ -215,20 +215,22 @@ def probe_link(communicator, values: int, device: torch.device) -> float:
     faster than a whole job: the error only keeps the uncompressed wire longer, since keeping it is
     never decided early (:func:`clear_early`)."""
     world_size = communicator.world_size
-    small = torch.zeros(world_size * 256, dtype=torch.float32, device=device)
-    probe = torch.zeros(values, dtype=torch.float32, device=device)
     cuda = device.type == "cuda"
-    for tensor, timed in ((small, False), (probe, True)):
-        shard = torch.empty(tensor.numel() // world_size, dtype=torch.float32, device=device)
+
+    def pair(numel: int) -> float:
+        values = torch.zeros(numel, dtype=torch.float32, device=device)
+        shard = torch.empty(numel // world_size, dtype=torch.float32, device=device)
         if cuda:
             torch.cuda.synchronize(device)
         began = time.perf_counter()
-        communicator.reduce_scatter(shard, tensor)
-        communicator.all_gather(tensor, shard)
+        communicator.reduce_scatter(shard, values)
+        communicator.all_gather(values, shard)
         if cuda:
             torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - began
-    return seconds
+        return time.perf_counter() - began
+
+    pair(world_size * 256)  # untimed: lines the ranks up, opens the connections
+    return pair(values)
 
 
 def quantized_values_per_job(padded_numels: Sequence[int], world_size: int) -> int:

@@ -342,16 +342,15 @@ def _run_comm(args, row, n_params: int, world: int, link_bps: float, nodes: int,
                                         backend=backend)
     sync = dict(sync_updates=row.get("warmup_sync_updates") or 0, updates=row["updates"])
     wire = row.get("wire") or {}
-    if wire.get("before_first_job") and wire.get("wire") != wire.get("start"):
-        grad, param = report.wire_comm_bytes(row["method"], wire["wire"], args.precision)
-        t_comm = report.comm_round_seconds(n_params, world, link_bps, grad, param_bytes=param, nodes=nodes)
-        sync.update(switch_update=0, t_comm_after=t_comm)
-    elif wire.get("from_update") is not None and wire.get("start") and wire.get("wire") != wire.get("start"):
-        grad, param = report.wire_comm_bytes(row["method"], wire["start"], args.precision)
-        t_comm = report.comm_round_seconds(n_params, world, link_bps, grad, param_bytes=param, nodes=nodes)
-        grad, param = report.wire_comm_bytes(row["method"], wire["wire"], args.precision)
-        sync.update(switch_update=int(wire["from_update"]), t_comm_after=report.comm_round_seconds(
-            n_params, world, link_bps, grad, param_bytes=param, nodes=nodes))
+    if wire.get("from_update") is not None and wire.get("start") and wire.get("wire") != wire.get("start"):
+        def round_s(name: str) -> float:
+            grad, param = report.wire_comm_bytes(row["method"], name, args.precision)
+            return report.comm_round_seconds(n_params, world, link_bps, grad, param_bytes=param, nodes=nodes)
+
+        after = round_s(wire["wire"])
+        first = wire.get("before_first_job")
+        t_comm = after if first else round_s(wire["start"])
+        sync.update(switch_update=0 if first else int(wire["from_update"]), t_comm_after=after)
     return t_comm, sync
 
 
