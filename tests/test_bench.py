@@ -171,6 +171,29 @@ def test_defaults_derive_eval_interval_and_max_updates():
     assert args.max_updates == 30 and args.eval_every == 3
 
 
+def _peer_wait_ranks(rank, world_size):
+    import torch.distributed as dist
+    from deepspeed_acco.bench.running.train import peer_wait_split
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # Rank 0 launched the job 0.3 s before rank 1 and drained 0.7 s; rank 1 drained 0.4 s.
+    shared = peer_wait_split([0.7, 0.4][rank], shared=True)
+    alone = peer_wait_split(0.25, shared=False)
+    return shared, alone
+
+
+def test_an_evaluation_leaves_the_wait_for_a_peer_on_the_clock_and_gives_every_rank_one_deadline():
+    """docs/bench.md, "The clock": a rank whose drain began by waiting for a later peer keeps that wait
+    on its clock, and both ranks carry the job's own remaining seconds (the shortest drain) as the
+    deadline after the pause, so they resume in step."""
+    from distributed_utils import run_distributed
+    results = run_distributed(_peer_wait_ranks, 2, timeout_s=120)
+    (wait0, due0), alone = results[0]
+    (wait1, due1), _ = results[1]
+    assert due0 == due1 == pytest.approx(0.4)
+    assert wait0 == pytest.approx(0.3) and wait1 == 0.0
+    assert alone == (0.0, 0.25)
+
+
 def test_co2_options_reach_the_config_and_bad_ones_are_refused(capsys):
     from deepspeed_acco.bench.__main__ import build_parser, check_args, worker_args
     from deepspeed_acco.bench.running.train import co2_options

@@ -75,6 +75,25 @@ def test_bounds_follow_the_wire_chosen_during_the_run_and_co2_pays_once_per_roun
     assert t_fp32 == pytest.approx(t_comm * 4.0 / int4[0]) and sync["switch_update"] == 4
 
 
+def test_reports_say_which_runs_carried_a_whole_drain_as_each_rank_s_deadline():
+    """docs/bench.md, "The clock": runs timed before the ranks shared one deadline after an evaluation
+    are named under the tables; runs without a job in flight at evaluations, or on one rank, are not."""
+    from deepspeed_acco.bench.reporting.report import RunResult
+    from deepspeed_acco.bench.reporting.summary import _noise_lines
+
+    def run(method, summaries):
+        result = RunResult(method=method, bandwidth="30 Mbit/s", bps=30e6, rows={}, summaries=dict(enumerate(summaries)))
+        return dict(label=result.label, other_load_cores=0.0, deadline_per_rank=result.deadline_per_rank)
+
+    before = {"eval_comm_s": 3.0, "process_wall_s": 1.0}
+    now = dict(before, eval_peer_wait_s=0.2)
+    rows = [run("co2", [before, before]), run("acco", [now, now]), run("zero1", [{"eval_comm_s": 0.0}] * 2),
+            run("sharded", [before])]
+    assert [r["deadline_per_rank"] for r in rows] == [True, False, False, False]
+    note = [line for line in _noise_lines(rows) if "2026-12-06" in line]
+    assert len(note) == 1 and note[0].startswith("NOTE: CO2 timed before 2026-12-06"), note
+
+
 def _row(method, ms, ttt=None, wire=None):
     from deepspeed_acco.bench.workload.methods import parse_variant
     return dict(method=method, label=parse_variant(method).label, ms_per_update=ms, time_to_target_s=ttt, wire=wire)

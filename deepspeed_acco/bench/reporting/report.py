@@ -77,6 +77,15 @@ class RunResult:
         return all("process_wall_s" in s for s in self.summaries.values())
 
     @property
+    def deadline_per_rank(self) -> bool:
+        """Whether evaluations found a job in flight on several ranks and each rank carried its whole
+        drain as its deadline (runs before 2026-12-06; docs/bench.md, "The clock"): a rank that waited
+        for a peer to join the job then resumed behind it by that wait."""
+        summaries = list(self.summaries.values())
+        return (len(summaries) > 1 and any((s.get("eval_comm_s") or 0.0) > 0.0 for s in summaries)
+                and not all("eval_peer_wait_s" in s for s in summaries))
+
+    @property
     def ms_per_update(self) -> float:
         return 1000.0 * self.wall_s / max(self.updates, 1)
 
@@ -325,7 +334,7 @@ def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[di
                    paused_at_updates_s=max(s.get("paused_at_updates_s", s.get("snapshot_at_updates_s")) or 0.0
                                            for s in r.summaries.values()),
                    eval_comm_s=max((s.get("eval_comm_s") or 0.0) for s in r.summaries.values()),
-                   old_clock=not r.new_clock,
+                   old_clock=not r.new_clock, deadline_per_rank=r.deadline_per_rank,
                    job_s=r.job.get("job_s"), loadavg_before=r.job.get("loadavg_before"),
                    other_load_cores=r.other_load, steal_cores=r.steal_cores, repeats=1 + len(r.reps),
                    wall_min_s=r.wall_range[0], wall_max_s=r.wall_range[1],

@@ -321,6 +321,13 @@ def _noise_lines(rows) -> List[str]:
                      "the communication job in flight off the clock at every evaluation (DPU, ACCO and CO2 got up "
                      "to one round free per evaluation); their wall-clock flatters the overlapped methods "
                      "(docs/bench.md, \"The clock\").")
+    late = [r["label"] for r in rows if r.get("deadline_per_rank")]
+    if late:
+        lines.append("NOTE: " + ", ".join(late) + " timed before 2026-12-06, when each rank carried its whole drain "
+                     "at an evaluation as its deadline: a rank that had waited for a peer to join the job resumed "
+                     "behind it, and the offset could grow from one evaluation to the next where the ranks meet "
+                     "only at the jobs (CO2 between averagings); their wall-clock can be too long "
+                     "(docs/bench.md, \"The clock\").")
     if any(r.get("repeats", 1) > 1 for r in rows):
         spread = ", ".join(f"{r['label']} {1000 * r['wall_min_s'] / r['updates']:.0f}-"
                            f"{1000 * r['wall_max_s'] / r['updates']:.0f}" for r in rows)

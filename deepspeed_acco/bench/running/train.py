@@ -21,7 +21,9 @@
    communicates. The clock is paused while the job in flight finishes alone (``eval_comm_s``), the
    parameters are copied (``snapshot_s``) and evaluated (``eval_s``); what the job needed then
    becomes a deadline after the pause that the next boundary waits for if it comes sooner, the wait
-   a run without evaluation would have had (:func:`finish_job_in_flight`);
+   a run without evaluation would have had (:func:`finish_job_in_flight`); a rank's wait for a peer
+   to join the job stays on its clock, and every rank carries the same deadline
+   (:func:`peer_wait_split`);
 5. stops after ``--updates`` committed updates (the equal-samples point), or, with
    ``--target-loss``, at the first evaluation at or past ``--updates`` whose loss is at or below the
    target, and at ``--max-updates`` at the latest. The LR schedule's horizon is ``--updates`` for
@@ -289,6 +291,29 @@ def finish_job_in_flight(engine) -> float:
     return time.perf_counter() - start
 
 
+def peer_wait_split(needed: float, shared: bool):
+    """``(peer_wait, remaining)``: of the seconds a rank's drain took (:func:`finish_job_in_flight`),
+    what it spent waiting for the last rank to launch the job, and what the job took from there.
+
+    The job's last collective ends on every rank at once, so the shortest drain over the ranks is
+    the job's own remaining time, and a longer drain began by waiting for a peer. That wait stays on
+    the waiting rank's clock (a run without evaluation waits for its peer too), and every rank
+    carries the same remaining seconds as its deadline after the pause, so the ranks resume in step.
+    Charging each rank its whole drain as its deadline instead had the rank that waited resume
+    behind its peer by the wait: the next job then found the peer waiting in turn, and CO2, whose
+    inner steps do not synchronise the ranks between averagings, carried a growing offset from
+    evaluation to evaluation (docs/bench.md, "The clock"). ``shared``: all-reduce the minimum over
+    the world's ranks (a collective: every rank calls it at every evaluation)."""
+    if not shared:
+        return 0.0, needed
+    import torch
+    import torch.distributed as dist
+    shortest = torch.tensor([needed], dtype=torch.float64)
+    dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
+    remaining = min(needed, float(shortest[0]))
+    return needed - remaining, remaining
+
+
 def evaluate(model, windows, batch_size: int) -> float:
     """Mean next-byte cross-entropy (nats) over the validation windows."""
     total, count = evaluate_sum(model, windows, batch_size)
@@ -412,15 +437,24 @@ def run(args) -> dict:
     # first, alone; the seconds it still needed (eval_comm_s) run on after the pause as a deadline
     # that the next boundary's step() waits for if it comes sooner: the wait a run without
     # evaluation would have had. No method gets communication off the clock.
-    val, snapshot_s, eval_s, eval_comm_s, landed_waits = {}, 0.0, 0.0, 0.0, 0
+    val, snapshot_s, eval_s, eval_comm_s, eval_peer_wait_s, landed_waits = {}, 0.0, 0.0, 0.0, 0.0, 0
     due_after_eval = None  # perf_counter time before which the next boundary's step() must not come
     clock = LoopClock(engine, engine_kind(engine))
 
     def validate(update):
-        nonlocal snapshot_s, eval_s, eval_comm_s, landed_waits, due_after_eval
+        nonlocal snapshot_s, eval_s, eval_comm_s, eval_peer_wait_s, landed_waits, due_after_eval
         ts = time.perf_counter()
         needed = finish_job_in_flight(engine)
         tj = time.perf_counter()
+        # A rank that launched the job before a peer did waited for that peer first: that part is a
+        # wait a run without evaluation has too, so it stays on this rank's clock, and every rank
+        # carries the same remaining seconds as its deadline (peer_wait_split).
+        peer_wait, needed = peer_wait_split(needed, shared=args.method != "compute" and dist.is_initialized())
+        tq = time.perf_counter()  # the split's all-reduce is the evaluation's (paused), like its own
+        if peer_wait > 0.0:
+            clock.calls["debt"] += peer_wait
+            clock.timeline.add("bench loop", "waiting for a peer to join the job (on the clock)", ts, ts + peer_wait)
+        eval_peer_wait_s += peer_wait
         try:
             state = _snapshot(engine)
         except LookupError:  # not at a commit (cannot happen in this loop): wait on the clock, then copy
@@ -430,10 +464,10 @@ def run(args) -> dict:
         te = time.perf_counter()
         val[update] = validator(state)
         tf = time.perf_counter()
-        snapshot_s += te - tj
-        eval_s += tf - te
+        snapshot_s += te - tq
+        eval_s += (tf - te) + (tq - tj)
         eval_comm_s += needed
-        clock.timeline.add("bench loop", "job finishing (clock paused)", ts, tj)
+        clock.timeline.add("bench loop", "job finishing (clock paused)", ts + peer_wait, tj)
         clock.timeline.add("bench loop", "evaluation (clock paused)", tj, tf)
         if needed > 0.0:
             due_after_eval = tf + needed
@@ -546,7 +580,8 @@ def run(args) -> dict:
                    engine_samples=engine_samples, precision=args.precision,
                    train_batch_size=train_batch_size, wall_s=wall_at_updates, final_wall_s=final_wall,
                    init_s=init_s, snapshot_s=snapshot_s, eval_s=eval_s, paused_at_updates_s=paused_at_updates,
-                   eval_comm_s=eval_comm_s, landed_waits=landed_waits, evaluations=len(val),
+                   eval_comm_s=eval_comm_s, eval_peer_wait_s=eval_peer_wait_s, landed_waits=landed_waits,
+                   evaluations=len(val),
                    process_wall_s=t_end - t_proc,
                    target_loss=target, reached_update=reached_update, reached_wall_s=reached_wall,
                    target_resolution_updates=watch.every if target is not None else None,
