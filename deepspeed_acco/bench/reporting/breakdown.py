@@ -98,9 +98,13 @@ class LoopClock:
         try:
             yield
         finally:
-            end = time.perf_counter()
-            self.calls[name] += end - start
-            self.timeline.add("bench loop", name, start, end)
+            self.record(name, start, time.perf_counter())
+
+    def record(self, name: str, start: float, end: float, label: Optional[str] = None) -> None:
+        """Count ``end - start`` seconds as part ``name`` (measured after the fact), with its span on
+        the bench loop's track (``label``, default ``name``)."""
+        self.calls[name] += end - start
+        self.timeline.add("bench loop", label or name, start, end)
 
     def start_trace(self) -> None:
         self.timeline.start()

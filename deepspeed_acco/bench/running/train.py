@@ -310,7 +310,7 @@ def peer_wait_split(needed: float, shared: bool):
     import torch.distributed as dist
     shortest = torch.tensor([needed], dtype=torch.float64)
     dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
-    remaining = min(needed, float(shortest[0]))
+    remaining = float(shortest[0])  # <= needed: this rank's own figure is one of the minimum's
     return needed - remaining, remaining
 
 
@@ -446,14 +446,10 @@ def run(args) -> dict:
         ts = time.perf_counter()
         needed = finish_job_in_flight(engine)
         tj = time.perf_counter()
-        # A rank that launched the job before a peer did waited for that peer first: that part is a
-        # wait a run without evaluation has too, so it stays on this rank's clock, and every rank
-        # carries the same remaining seconds as its deadline (peer_wait_split).
         peer_wait, needed = peer_wait_split(needed, shared=args.method != "compute" and dist.is_initialized())
         tq = time.perf_counter()  # the split's all-reduce is the evaluation's (paused), like its own
         if peer_wait > 0.0:
-            clock.calls["debt"] += peer_wait
-            clock.timeline.add("bench loop", "waiting for a peer to join the job (on the clock)", ts, ts + peer_wait)
+            clock.record("debt", ts, ts + peer_wait, "waiting for a peer to join the job (on the clock)")
         eval_peer_wait_s += peer_wait
         try:
             state = _snapshot(engine)
