@@ -106,6 +106,14 @@ def test_method_modifiers_merge_into_the_config():
     assert parse_variant("co2").comm_bytes("bf16") == (4, 4) and parse_variant("co2+bf16comm").comm_bytes("bf16") == (2, 4)
     assert parse_variant("zero1+fp32comm").comm_bytes("bf16") == (4, 2)
     assert report.comm_label("acco", "bf16") == "bf16/bf16" and report.comm_label("co2", "bf16") == "fp32/fp32" and report.comm_label("zero0", "bf16") == "bf16 all-reduce"
+    # Compressed wires by name; a wire chosen from the link shows where the run changed to it.
+    assert report.comm_label("co2+q8", "bf16") == "int8/int8" and report.comm_label("acco+q4", "bf16") == "int4/int4"
+    switched = {"start": "bf16", "wire": "int4", "from_update": 2, "reason": "r"}
+    assert report.comm_label("acco", "bf16", switched) == "bf16/bf16 for 2 updates, then int4/int4"
+    probed = {"start": "fp32", "wire": "int8", "from_update": 4, "before_first_job": True}
+    assert report.comm_label("co2", "bf16", probed) == "int8/int8 (chosen)"
+    assert report.comm_label("acco", "bf16", dict(switched, wire="bf16")) == "bf16/bf16"  # kept
+    assert report.comm_label("acco", "bf16", {"start": "bf16", "wire": "bf16", "from_update": None}) == "bf16/bf16"
     for bad, words in (("acco+fast", "unknown modifier 'fast'"), ("adam", "unknown method 'adam'"),
                        ("acco+bf16comm+bf16comm", "given twice"), ("zero1+q8", "only with ZeRO stage 3")):
         with pytest.raises(ValueError, match=words):

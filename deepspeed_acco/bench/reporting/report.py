@@ -289,20 +289,34 @@ def _fmt(x, spec=".2f", none="n/a"):
     return format(x, spec)
 
 
-def comm_label(method: str, precision: str) -> str:
-    """What one round moves per value: ``"fp32/bf16"`` = fp32 gradients reduced, bf16 parameters gathered."""
+def _wire_name(value: float):
+    """A wire's name from its bytes per value (int8 and int4 with their blocks' scales)."""
+    return {4.0: "fp32", 2.0: "bf16", 1.0: "int8", 0.5: "int4"}.get(round(value, 1), value)
+
+
+def comm_label(method: str, precision: str, wire: Optional[dict] = None) -> str:
+    """What one round moves per value: ``"fp32/bf16"`` = fp32 gradients reduced, bf16 parameters gathered.
+
+    With ``wire`` (:attr:`RunResult.wire`), a wire our engine chose from the link and ran on instead of
+    its config's shows too: ``"bf16/bf16 for 2 updates, then int4/int4"``, or ``"int4/int4 (chosen)"``
+    where it was chosen before the first job."""
     if method == "compute":
         return ""
-    names = {4.0: "fp32", 2.0: "bf16", 1.0: "int8"}
     variant = parse_variant(method)
-    grad, param = variant.comm_bytes(precision)
-    collective = variant.method.gradient_collective
-    grad_text = str(names.get(grad, grad))
-    if collective != "reduce_scatter":  # DeepSpeed's: all-reduce, or reduce to each partition's owner
-        grad_text += " " + collective.replace("_", "-")
-    if not variant.method.gathers_parameters:
-        return grad_text
-    return f"{grad_text}/{names.get(param, param)}"
+
+    def text(grad: float, param: float) -> str:
+        grad_text = str(_wire_name(grad))
+        collective = variant.method.gradient_collective
+        if collective != "reduce_scatter":  # DeepSpeed's: all-reduce, or reduce to each partition's owner
+            grad_text += " " + collective.replace("_", "-")
+        return grad_text if not variant.method.gathers_parameters else f"{grad_text}/{_wire_name(param)}"
+    label = text(*variant.comm_bytes(precision))
+    if not wire or wire.get("from_update") is None or wire.get("wire") in (None, wire.get("start")):
+        return label
+    chosen = text(*wire_comm_bytes(method, wire["wire"], precision))
+    if wire.get("before_first_job"):
+        return f"{chosen} (chosen)"
+    return f"{label} for {wire['from_update']} updates, then {chosen}"
 
 
 def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[dict]:
@@ -339,7 +353,7 @@ def table_rows(results: Sequence[RunResult], precision: str = "fp32") -> List[di
                    other_load_cores=r.other_load, steal_cores=r.steal_cores, repeats=1 + len(r.reps),
                    wall_min_s=r.wall_range[0], wall_max_s=r.wall_range[1],
                    rank_cpu_s=sum(s.get("cpu_s") or 0.0 for s in r.summaries.values()),
-                   seed=r.seed, comm=comm_label(r.method, precision),
+                   seed=r.seed, comm=comm_label(r.method, precision, None if is_compute else r.wire),
                    target_loss=None if is_compute else r.target_loss,
                    updates_to_target=None if is_compute else r.reached_update, time_to_target_s=ttt,
                    ttt_speedup_vs_zero1=(base_ttt / ttt) if base_ttt and ttt else None,
@@ -473,7 +487,8 @@ TABLE_NOTES = (
     "ppl = exp); val vs ZeRO-1: relative gap. comm: what one round moves per value, gradients/parameters (DeepSpeed "
     "communicates gradients in the model's dtype by default, and so does deepspeed_acco; CO2's round averages fp32 parameters), "
     "with DeepSpeed's gradient collective where it is not a reduce-scatter: all-reduce (its default) or reduce (to "
-    "each partition's owner, ZeRO-1 best).")
+    "each partition's owner, ZeRO-1 best); a wire chosen from the link shows from when it ran (\"bf16/bf16 for 2 "
+    "updates, then int4/int4\"; \"(chosen)\": before the first job).")
 
 
 def write_steps_csv(path: str, results: Sequence[RunResult]) -> None:
