@@ -290,8 +290,11 @@ def _fmt(x, spec=".2f", none="n/a"):
 
 
 def _wire_name(value: float):
-    """A wire's name from its bytes per value (int8 and int4 with their blocks' scales)."""
-    return {4.0: "fp32", 2.0: "bf16", 1.0: "int8", 0.5: "int4"}.get(round(value, 1), value)
+    """A wire's name from its bytes per value: a dtype, or a compressed wire of runtime/regime.py with its
+    blocks' scales (:func:`quantized_bytes`, what the modifiers and :func:`wire_comm_bytes` count)."""
+    from deepspeed_acco.runtime.regime import COMPRESSED_BITS, quantized_bytes
+    names = {4.0: "fp32", 2.0: "bf16", **{quantized_bytes(bits): name for name, bits in COMPRESSED_BITS.items()}}
+    return names.get(value, value)
 
 
 def comm_label(method: str, precision: str, wire: Optional[dict] = None) -> str:
