@@ -193,3 +193,30 @@ def test_delay_stability_edges_match_the_closed_forms():
     assert 2.6 < stab.edge("dpu-extrapolated", 0.9, k=1.0) < 2.8
     with pytest.raises(ValueError, match="unknown rule 'zero3'"):
         stab.transition("zero3", 0.9, 1.0)
+
+
+def test_seed_table_paired_gaps_per_seed_with_a_t_interval(tmp_path, capsys):
+    table = _load("seed_table")
+    rows = []
+    for seed, (ref, q) in enumerate([(2.0, 2.02), (2.0, 1.98), (1.0, 1.01), (4.0, 4.0)]):
+        rows += [("acco+bf16comm", seed, 0, 5.0), ("acco+bf16comm", seed, 10, ref),
+                 ("acco+q8", seed, 0, 5.0), ("acco+q8", seed, 10, q)]
+    rows += [("zero1", 0, 10, 9.0), ("co2+q4", 0, 10, 3.0)]  # a pair needs both of a seed: seed 0 only
+    _write_steps(tmp_path / "a", rows)
+    _write_steps(tmp_path / "b", [("co2+fp32comm", 0, 10, 2.5), ("co2+fp32comm", 1, 10, 2.0)])
+    assert table.main([str(tmp_path / "a"), str(tmp_path / "b"),
+                       "--paired", "acco+q8=acco+bf16comm, co2+q4=co2+fp32comm"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| method | against | seeds | per seed @10 | mean, 95% interval @10 |"
+    acco = [c.strip() for c in lines[2].strip("|").split("|")]
+    # +1%, -1%, +1%, 0%: mean +0.25%, sd 0.957, half-width 3.182 * 0.957 / 2 = 1.52
+    assert acco == ["ACCO, int8 wire", "ACCO, bf16 wire", "0,1,2,3", "+1.00%, -1.00%, +1.00%, +0.00%",
+                    "+0.25% [-1.27, +1.77]"]
+    co2 = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert co2 == ["CO2, int4 averaging", "CO2, fp32 averaging", "0", "+20.00%", "+20.00%"]
+    with pytest.raises(SystemExit):
+        table.main([str(tmp_path / "a"), "--paired", "acco+q8"])
+    assert "expected METHOD=REFERENCE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        table.main([str(tmp_path / "a"), "--paired", "acco+q4=acco+bf16comm"])
+    assert "no runs of acco+q4" in capsys.readouterr().err

@@ -8,6 +8,10 @@ and at how many evaluations it was above the lone replica (the compute-only run)
 
     python benchmarks/studies/seed_table.py docs/results/conv720 docs/results/conv720_seed1 --gaps 300,720
 
+``--paired METHOD=REFERENCE,...`` prints instead, per pair, the gap of METHOD to REFERENCE *of the
+same seed* at each ``--gaps`` update: every seed's, and their mean with a 95% Student-t interval (a
+paired comparison: both runs of a seed share its initialisation and data order).
+
 A folder written ``FOLDER@TAG`` holds runs of a variant (made with a flag the method's name does
 not show, such as ``--local-steps 4``): its methods other than the baselines (``--baseline`` and
 the lone replica) become ``METHOD@TAG`` rows, labelled with the tag, e.g.
@@ -24,7 +28,9 @@ from typing import Dict, List
 
 LABELS = {"compute": "lone replica (no communication)", "zero1": "DeepSpeed ZeRO-1", "acco": "ACCO",
           "co2": "CO2 (defaults)", "co2+eager": "CO2, `anchor_merge_steps` 1", "sharded": "ShardedAdamW",
-          "dpu": "DPU"}
+          "dpu": "DPU", "acco+bf16comm": "ACCO, bf16 wire", "acco+q8": "ACCO, int8 wire",
+          "acco+q4": "ACCO, int4 wire", "co2+fp32comm": "CO2, fp32 averaging", "co2+q8": "CO2, int8 averaging",
+          "co2+q4": "CO2, int4 averaging"}
 
 
 def label(method: str) -> str:
@@ -62,6 +68,41 @@ def fmt(values: List[float], digits: int = 3, percent: bool = False) -> str:
     return f(mean) if len(values) == 1 else f"{f(mean)} [{f(min(values))}, {f(max(values))}]"
 
 
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+"""Two-sided 95% quantiles of Student's t by degrees of freedom (n seeds: n - 1)."""
+
+
+def interval(values: List[float]) -> tuple:
+    """(mean, half-width of its 95% t-interval); half-width None for a single value."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    if len(values) - 1 not in T95:
+        raise ValueError(f"--paired: at most {max(T95) + 1} seeds (t quantiles tabulated to {max(T95)} degrees of freedom)")
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return mean, T95[len(values) - 1] * sd / len(values) ** 0.5
+
+
+def paired_table(curves, pairs: List[tuple], gaps: List[int]) -> List[str]:
+    """Markdown rows: METHOD against REFERENCE of the same seed at each update of ``gaps``."""
+    head = ["method", "against", "seeds"] + [x for u in gaps for x in (f"per seed @{u}", f"mean, 95% interval @{u}")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, reference in pairs:
+        seeds = sorted(s for s in curves[method] if s in curves[reference])
+        cells = [label(method), label(reference), ",".join(map(str, seeds))]
+        for u in gaps:
+            rel = {s: 100 * (curves[method][s][u] / curves[reference][s][u] - 1) for s in seeds
+                   if u in curves[method][s] and u in curves[reference][s]}
+            if not rel:
+                cells += ["", ""]
+                continue
+            mean, half = interval(list(rel.values()))
+            cells.append(", ".join(f"{v:+.2f}%" for v in rel.values()))
+            cells.append(f"{mean:+.2f}%" + ("" if half is None else f" [{mean - half:+.2f}, {mean + half:+.2f}]"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def updates_to_reach(curve: Dict[int, float], loss: float):
     """The update at which ``curve`` first reaches ``loss`` (linear between evaluations), or None."""
     points = sorted(curve.items())
@@ -82,8 +123,24 @@ def main(argv=None) -> int:
                    help="also, at each --gaps update U: the update at which the baseline of the same seed reached "
                         "the method's loss at U (linear between evaluations), divided by U: below 1 the method "
                         "needs more updates than the baseline for that loss")
+    p.add_argument("--paired", default="",
+                   help="METHOD=REFERENCE,...: instead of the table, each METHOD's gap to REFERENCE of the same "
+                        "seed at the --gaps updates, per seed and as a mean with its 95%% t-interval")
     args = p.parse_args(argv)
     curves = load(args.folders, args.baseline)
+    if args.paired:
+        items = [item.strip() for item in args.paired.split(",") if item.strip()]
+        bad = [item for item in items if item.count("=") != 1]
+        if bad:
+            p.error(f"--paired: {', '.join(bad)}: expected METHOD=REFERENCE, e.g. acco+q8=acco+bf16comm")
+        pairs = [tuple(x.strip() for x in item.split("=")) for item in items]
+        missing = sorted({m for pair in pairs for m in pair if m not in curves})
+        if missing:
+            p.error(f"--paired: no runs of {', '.join(missing)} in these folders")
+        last = max(u for pair in pairs for m in pair for c in curves[m].values() for u in c)
+        gaps = [int(u) for u in args.gaps.split(",") if u] or [last]
+        print("\n".join(paired_table(curves, pairs, gaps)))
+        return 0
     order = list(LABELS)
 
     def rank(method: str) -> tuple:  # LABELS order, unknown methods last; a tagged variant after its base
