@@ -190,3 +190,31 @@ def test_the_readmes_box_is_the_engines_count():
     for name, per_param in expected.items():
         assert rows[name][0] == pytest.approx(per_param, abs=0.005), name
         assert rows[name][1] == pytest.approx(per_param * 1e9 * 8 / 25e9, abs=0.0051), name  # 0.595 prints 0.60
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_compute_is_timed_on_the_device_not_by_the_host():
+    """What the regime reads as T_compute on CUDA (``device_compute``): the device time of the blocks
+    timed as compute only, not the host's, which on CUDA only launches the kernels."""
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        x @ x
+    torch.cuda.synchronize()
+    breakdown = TimeBreakdown(cuda=True)
+    with breakdown.timed("compute", "forward"):
+        for _ in range(20):
+            x @ x
+    with breakdown.timed("boundary"):  # device work outside the compute part is not T_compute
+        for _ in range(20):
+            x @ x
+    snapshot = breakdown.snapshot(wait_for_device=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        x @ x
+    end.record()
+    end.synchronize()
+    reference = start.elapsed_time(end) / 1e3
+    assert 0.5 * reference <= snapshot["device_compute"] <= 2.0 * reference
+    assert snapshot["device_compute"] >= 2 * snapshot["compute"]  # the host only launched them
+    assert breakdown.snapshot()["device_compute"] == snapshot["device_compute"]  # nothing pending is lost or counted twice
